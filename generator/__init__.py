@@ -1,0 +1,1 @@
+"""Poisson stream generator: rate schedules, key distributions, Kafka producer keyed by pid."""

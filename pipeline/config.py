@@ -1,0 +1,241 @@
+"""The one configuration schema every `fluxjoin` subcommand shares.
+
+A pipeline is described by a YAML file (optional) plus dotted command-line overrides
+(`--set window_ms=5000`). Validation happens here, once, with messages that name the field,
+so no other module re-checks values. Topic names are derived here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """Raised for an invalid configuration file or override; the message is meant for the user."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- rate schedules (tuples per second per stream, as a function of seconds since start) ---
+
+
+class ConstantRate(_Strict):
+    kind: Literal["constant"] = "constant"
+    rate: float = Field(1000.0, gt=0)
+
+
+class StepRate(_Strict):
+    """Piecewise constant: `steps` is a list of [start_second, rate], sorted by start second."""
+
+    kind: Literal["steps"] = "steps"
+    steps: list[tuple[float, float]] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _sorted(self) -> StepRate:
+        starts = [s for s, _ in self.steps]
+        if starts != sorted(starts) or starts[0] != 0:
+            raise ValueError("steps must start at second 0 and be sorted by start second")
+        if any(r < 0 for _, r in self.steps):
+            raise ValueError("step rates must be >= 0")
+        return self
+
+
+class ToggleRate(_Strict):
+    """Alternates between `low` and `high` every `period_s` seconds, starting low (Tran & Lee)."""
+
+    kind: Literal["toggle"] = "toggle"
+    low: float = Field(50.0, ge=0)
+    high: float = Field(200.0, ge=0)
+    period_s: float = Field(2.0, gt=0)
+
+
+class RampRate(_Strict):
+    """Linear from `start` to `end` over `duration_s`, then holds `end`."""
+
+    kind: Literal["ramp"] = "ramp"
+    start: float = Field(100.0, ge=0)
+    end: float = Field(1000.0, ge=0)
+    duration_s: float = Field(60.0, gt=0)
+
+
+RateSchedule = Annotated[ConstantRate | StepRate | ToggleRate | RampRate, Field(discriminator="kind")]
+
+
+# --- key distributions ---
+
+
+class UniformKeys(_Strict):
+    kind: Literal["uniform"] = "uniform"
+    count: int = Field(100_000, ge=1)
+
+
+class ZipfKeys(_Strict):
+    kind: Literal["zipf"] = "zipf"
+    count: int = Field(100_000, ge=1)
+    s: float = Field(1.1, gt=0)
+
+
+class EightyTwentyKeys(_Strict):
+    """80% of tuples draw from 20% of the keys (the papers' skew)."""
+
+    kind: Literal["eighty_twenty"] = "eighty_twenty"
+    count: int = Field(100_000, ge=5)
+
+
+class HotSetKeys(_Strict):
+    """`hot_share` of tuples draw from a hot set of `hot_fraction` of the keys; the set moves every
+    `move_every_s` seconds to other keys (and so to other partitions)."""
+
+    kind: Literal["hot_set"] = "hot_set"
+    count: int = Field(100_000, ge=2)
+    hot_fraction: float = Field(0.05, gt=0, lt=1)
+    hot_share: float = Field(0.8, ge=0, le=1)
+    move_every_s: float = Field(30.0, gt=0)
+
+
+KeyDistribution = Annotated[
+    UniformKeys | ZipfKeys | EightyTwentyKeys | HotSetKeys, Field(discriminator="kind")
+]
+
+
+class GeneratorConfig(_Strict):
+    rate: RateSchedule = Field(default_factory=ConstantRate)
+    # Per-stream overrides of `rate`, by stream name.
+    stream_rates: dict[str, RateSchedule] = Field(default_factory=dict)
+    keys: KeyDistribution = Field(default_factory=UniformKeys)
+    payload_bytes: int = Field(16, ge=0, le=65536)
+    seed: int = 42
+    # Tuples of one stream and one pid packed into one Kafka message (at most).
+    tuples_per_message: int = Field(256, ge=1, le=100_000)
+    # real_time: event time = wall-clock arrival time, produced as it happens.
+    # max_rate: event times follow the same Poisson process on a virtual clock, produced as fast as possible.
+    mode: Literal["real_time", "max_rate"] = "real_time"
+    duration_s: float | None = Field(60.0, gt=0)
+    max_tuples: int | None = Field(None, ge=1)
+
+
+class InstanceConfig(_Strict):
+    trigger_ms: int = Field(500, ge=0)
+    max_rows_per_batch: int = Field(200_000, ge=1000)
+    shuffle_partitions: int = Field(4, ge=1)
+    spark_master: str = "local[2]"
+    driver_memory: str = "1g"
+    work_dir: str = ".fluxjoin"
+
+
+class Config(_Strict):
+    pipeline: str = Field("fluxjoin", pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,100}$")
+    bootstrap: str | None = None
+    streams: list[str] = Field(default_factory=lambda: ["A", "B", "C"], min_length=2, max_length=8)
+    window_ms: int = Field(10_000, gt=0)
+    allowed_lateness_ms: int = Field(2_000, ge=0)
+    partitions: int = Field(64, ge=1, le=4096)
+    instances: int = Field(3, ge=1)
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
+    instance: InstanceConfig = Field(default_factory=InstanceConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if len(set(self.streams)) != len(self.streams):
+            raise ValueError("stream names must be unique")
+        for name in self.streams:
+            if not name.isidentifier():
+                raise ValueError(f"stream name {name!r} must be an identifier (letters, digits, _)")
+        unknown = set(self.generator.stream_rates) - set(self.streams)
+        if unknown:
+            raise ValueError(f"generator.stream_rates names unknown streams: {sorted(unknown)}")
+        if self.partitions < self.instances:
+            raise ValueError(f"partitions ({self.partitions}) must be >= instances ({self.instances})")
+        return self
+
+    # --- derived names: the only place topic names are spelled ---
+
+    def input_topic(self, stream: str) -> str:
+        return f"{self.pipeline}.in.{stream}"
+
+    @property
+    def input_topics(self) -> list[str]:
+        return [self.input_topic(s) for s in self.streams]
+
+    @property
+    def results_topic(self) -> str:
+        return f"{self.pipeline}.results"
+
+    @property
+    def dead_letter_topic(self) -> str:
+        return f"{self.pipeline}.dead-letter"
+
+    @property
+    def sink_commits_topic(self) -> str:
+        return f"{self.pipeline}.sink-commits"
+
+    @property
+    def metrics_topic(self) -> str:
+        return f"{self.pipeline}.metrics"
+
+    @property
+    def control_topic(self) -> str:
+        return f"{self.pipeline}.control"
+
+    def rate_for(self, stream: str) -> ConstantRate | StepRate | ToggleRate | RampRate:
+        return self.generator.stream_rates.get(stream, self.generator.rate)
+
+    def with_overrides(self, **fields: Any) -> Config:
+        """A copy with top-level or dotted fields replaced, validated again."""
+        return _build(self.model_dump(), [f"{k}={yaml.safe_dump(v).strip()}" for k, v in fields.items()])
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(tree: dict[str, Any], overrides: Sequence[str]) -> Config:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value is not valid YAML: {exc}") from exc
+        _set_dotted(tree, key.strip(), value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read the YAML file (if any), apply `key.path=value` overrides, validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        tree = loaded or {}
+    return _build(tree, overrides)
