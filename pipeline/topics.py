@@ -1,0 +1,129 @@
+"""The pipeline's Kafka topics: what they must look like, and creating them idempotently.
+
+Every process that touches the pipeline (generator, instances, verifier, controller) calls
+`ensure_topics` before anything else, so whichever starts first creates the topics and the others
+find them. Partition counts are checked on existing topics because a topic with the wrong count
+silently breaks co-partitioning (Kafka partition index == pid): that must stop the pipeline with a
+clear message, never be "fixed" by adding partitions.
+
+Also the one place that turns an unreachable broker into a readable error (`check_reachable`),
+instead of librdkafka retrying forever behind a hung command.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from pipeline.config import Config
+
+# Seconds to wait for the broker to answer, and for new topics to show up in metadata with leaders.
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class TopicError(ValueError):
+    """An existing topic does not match what the pipeline needs (the message says which and how)."""
+
+
+class BrokerUnreachable(ConnectionError):
+    """No Kafka broker answered at the bootstrap address in time."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    config: dict[str, str] = field(default_factory=dict)
+
+
+def topic_specs(cfg: Config) -> list[TopicSpec]:
+    """All topics of a pipeline. Inputs and results have P partitions (partition index == pid);
+    the bookkeeping topics have one, so their readers see a single total order."""
+    p = cfg.partitions
+    return [
+        *(TopicSpec(name=t, partitions=p) for t in cfg.input_topics),
+        TopicSpec(name=cfg.results_topic, partitions=p),
+        TopicSpec(name=cfg.dead_letter_topic, partitions=1),
+        # Compacted: only the latest commit record per key matters.
+        TopicSpec(name=cfg.sink_commits_topic, partitions=1, config={"cleanup.policy": "compact"}),
+        TopicSpec(name=cfg.metrics_topic, partitions=1),
+        TopicSpec(name=cfg.control_topic, partitions=1),
+    ]
+
+
+def admin_client(bootstrap: str) -> AdminClient:
+    """An AdminClient for `bootstrap` (does not connect until first used)."""
+    return AdminClient({"bootstrap.servers": bootstrap, "socket.connection.setup.timeout.ms": 5000})
+
+
+def check_reachable(bootstrap: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Raise BrokerUnreachable unless a broker at `bootstrap` answers a metadata request in time."""
+    _metadata_topics(admin_client(bootstrap), bootstrap, timeout_s)
+
+
+def _metadata_topics(admin: AdminClient, bootstrap: str, timeout_s: float) -> dict[str, int]:
+    """Existing topic name -> partition count, or BrokerUnreachable."""
+    try:
+        md = admin.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        raise BrokerUnreachable(f"cannot reach Kafka at {bootstrap} within {timeout_s:g} s ({exc})") from None
+    return {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
+
+
+def _check_partitions(spec: TopicSpec, actual: int) -> None:
+    if actual != spec.partitions:
+        raise TopicError(
+            f"topic {spec.name} exists with {actual} partitions but the pipeline needs {spec.partitions} "
+            "(partition index must equal pid); delete the topic or use another pipeline name"
+        )
+
+
+def ensure_topics(cfg: Config, bootstrap: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Create the pipeline's missing topics and check the partition counts of all of them.
+
+    Safe to call concurrently from several processes: a topic another process created in the
+    meantime (TOPIC_ALREADY_EXISTS) is accepted once its partition count checks out. Returns once
+    every topic is visible in metadata, so a producer or consumer started next finds it.
+    """
+    admin = admin_client(bootstrap)
+    specs = topic_specs(cfg)
+    existing = _metadata_topics(admin, bootstrap, timeout_s)
+    for spec in specs:
+        if spec.name in existing:
+            _check_partitions(spec, existing[spec.name])
+    missing = [s for s in specs if s.name not in existing]
+    if missing:
+        # replication_factor=-1: the broker's default (1 on a single-node broker, 3 on a real cluster).
+        futures = admin.create_topics(
+            [NewTopic(s.name, s.partitions, -1, config=dict(s.config)) for s in missing],
+            request_timeout=timeout_s,
+        )
+        for name, fut in futures.items():
+            try:
+                fut.result()
+            except KafkaException as exc:
+                err = exc.args[0]
+                if not (isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
+                    raise TopicError(f"cannot create topic {name}: {err}") from None
+    _await_visible(admin, bootstrap, specs, timeout_s)
+
+
+def _await_visible(admin: AdminClient, bootstrap: str, specs: list[TopicSpec], timeout_s: float) -> None:
+    """Wait until metadata shows every topic with its partitions (and re-check counts: a topic a
+    concurrent creator made with another count is caught here)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        existing = _metadata_topics(admin, bootstrap, timeout_s)
+        pending = [s for s in specs if s.name not in existing]
+        for spec in specs:
+            if spec.name in existing:
+                _check_partitions(spec, existing[spec.name])
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(s.name for s in pending)
+            raise TopicError(f"topics not visible in metadata after {timeout_s:g} s: {names}")
+        time.sleep(0.1)
