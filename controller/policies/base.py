@@ -1,0 +1,160 @@
+"""What every policy reads and returns: observed statistics in, a `Decision` out.
+
+A policy is a pure function `decide(snapshot, params) -> Decision` (decision 0005): everything it depends
+on, including the state it carries from one round to the next (the current collection interval, the time
+of the last adaptation), arrives in the frozen `Snapshot`, and everything it wants changed leaves in the
+frozen `Decision`. Nothing here reads a clock, a topic or a random source, so the same snapshot always
+gives the same decision and a policy is tested with plain values.
+
+This module owns the value types and the `Policy` protocol; it must not know how statistics are collected
+(observation) or how moves are carried out (the protocol and `handoff/`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol, TypeVar
+
+from controller.assignment import Assignment, Move
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceStats:
+    """One live join instance over the last collection interval.
+
+    busy_fraction is Flux's U_j = 1 - I_j / delta, already computed by the observer (0 = idle all the
+    interval, 1 = never idle). state_bytes is M_j, the memory its windows hold now; memory_limit_bytes is
+    what it may hold (0 when unknown).
+    """
+
+    instance: str
+    busy_fraction: float
+    state_bytes: int
+    memory_limit_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.busy_fraction <= 1.0 or math.isnan(self.busy_fraction):
+            raise ValueError(f"{self.instance}: busy_fraction must be in [0, 1], got {self.busy_fraction}")
+        if self.state_bytes < 0 or self.memory_limit_bytes < 0:
+            raise ValueError(f"{self.instance}: byte counts must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class PidStats:
+    """One pid over the last collection interval: tuples processed (Flux's N_pid), the state it holds
+    now (Liu & Rundensteiner's P_s) and the results it produced (their P_o)."""
+
+    pid: int
+    tuples: int
+    state_bytes: int
+    results: int
+
+    def __post_init__(self) -> None:
+        if min(self.pid, self.tuples, self.state_bytes, self.results) < 0:
+            raise ValueError(f"pid stats must be >= 0: {self}")
+
+
+def _frozen_pids(pids: Mapping[int, PidStats]) -> Mapping[int, PidStats]:
+    return MappingProxyType({pid: pids[pid] for pid in sorted(pids)})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Snapshot:
+    """Everything a policy may look at, observed at `now_s` (seconds on the controller's injected clock).
+
+    instances: the live instances (an owner missing here is dead and is never chosen as a target).
+    pids: statistics per pid; a pid without an entry counts as zero.
+    moves_in_flight: pids whose move has been ordered but not completed; no policy touches them.
+    interval_s: length of the collection interval the statistics cover (Flux's current delta).
+    last_adaptation_s: when the last moves were ordered, on the same clock; None if never.
+    """
+
+    now_s: float
+    instances: tuple[InstanceStats, ...]
+    pids: Mapping[int, PidStats] = field(default_factory=dict)
+    assignment: Assignment
+    moves_in_flight: frozenset[int] = frozenset()
+    interval_s: float
+    last_adaptation_s: float | None = None
+
+    def __post_init__(self) -> None:
+        ids = [s.instance for s in self.instances]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"instance ids must be distinct: {ids}")
+        for pid, stats in self.pids.items():
+            if pid != stats.pid:
+                raise ValueError(f"pid stats filed under {pid} are for pid {stats.pid}")
+        if not self.interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {self.interval_s}")
+        object.__setattr__(self, "pids", _frozen_pids(self.pids))
+        object.__setattr__(self, "moves_in_flight", frozenset(self.moves_in_flight))
+
+    def stats_of(self, instance: str) -> InstanceStats | None:
+        """The statistics of a live instance, None if it is not live."""
+        for stats in self.instances:
+            if stats.instance == instance:
+                return stats
+        return None
+
+    def tuples_of(self, pid: int) -> int:
+        """N_pid, 0 for a pid nobody reported."""
+        stats = self.pids.get(pid)
+        return stats.tuples if stats is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What a policy wants done, and why.
+
+    An empty `moves` is an explicit "no change" and its `reason` says which rule held it back, so a
+    dry run or a log can tell "balanced" from "waiting for the cooldown". next_interval_s is when the
+    controller should next collect statistics and decide: a number of seconds, or None for "as long as
+    the move phase this decision starts" (Flux's rule), which only the caller can measure.
+    """
+
+    moves: tuple[Move, ...]
+    reason: str
+    next_interval_s: float | None
+
+    @property
+    def changes(self) -> bool:
+        """Whether anything is to move."""
+        return bool(self.moves)
+
+
+ParamsT = TypeVar("ParamsT")
+
+
+class Policy(Protocol[ParamsT]):
+    """A pure decision rule: the same snapshot and params always give the same decision."""
+
+    @property
+    def name(self) -> str:
+        """The name the configuration selects it by."""
+        ...
+
+    def default_params(self) -> ParamsT:
+        """Its parameters with the defaults the papers give."""
+        ...
+
+    def decide(self, snapshot: Snapshot, params: ParamsT) -> Decision:
+        """Moves to make now (possibly none), with the reason."""
+        ...
+
+
+def no_change(reason: str, next_interval_s: float | None) -> Decision:
+    """The explicit "nothing to do" decision."""
+    return Decision((), reason, next_interval_s)
+
+
+def registry_of(*policies: Policy[Any]) -> Mapping[str, Policy[Any]]:
+    """Policies by name, read-only; refuses two policies with one name."""
+    table: dict[str, Policy[Any]] = {}
+    for policy in policies:
+        if policy.name in table:
+            raise ValueError(f"two policies named {policy.name!r}")
+        table[policy.name] = policy
+    return MappingProxyType(table)

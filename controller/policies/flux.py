@@ -1,0 +1,199 @@
+"""Flux load balancing (Shah et al., ICDE 2003, section 5.3): one round of utilization-based moves.
+
+The round, as the paper gives it:
+
+1. Each instance j reports its utilization U_j = 1 - I_j / delta over the collection interval delta and
+   the tuples N_pid each of its pids processed; T_j is the sum of N_pid over j's pids.
+2. Instances are sorted by decreasing U. The most utilized is paired with the least utilized, the second
+   with the second least, and so on towards the middle.
+3. A pair (donor d, receiver r) fails the threshold test if U_d < mean(U), or U_d / U_r < th_imb, or
+   U_r > th_util. The round stops at the first failing pair.
+4. Otherwise walk the donor's pids by decreasing N_pid and move the first whose move reduces the
+   imbalance, estimated with U_d' = U_d (1 - N_p / T_d) and U_r' = U_r (1 + N_p / T_r); never a move
+   with U_r' > 1. At most one move per pair, so each instance sends or receives at most one pid.
+5. The next collection interval lasts as long as this round's move phase; if nothing moved, delta is
+   halved, never below delta_min.
+
+Where the text is not precise, this module chooses as follows:
+
+- *Imbalance* is the pair's utilization ratio max(U) / min(U): the paper calls the ratio "(i.e.
+  imbalance)" in the threshold test. A move reduces it if the estimated ratio after the move is strictly
+  smaller than before. A ratio with a zero denominator is infinite (0 / 0 counts as balanced, 1).
+- Threshold comparisons are strict as written ("less than", "above"): U_d equal to the mean, a ratio
+  equal to th_imb and U_r equal to th_util all pass.
+- A pair that passes the threshold test but has no pid whose move reduces the imbalance (all too big,
+  all pushing U_r' above 1, all in flight) does not stop the round: only a threshold failure does.
+  Because the pairs are sorted, the three tests are monotone along them (later donors are less utilized,
+  later receivers more), so after the first failure no later pair could pass anyway.
+- A pid refused because U_r' > 1 is skipped and the walk goes on: a smaller pid may still fit.
+- T_r = 0 or U_r = 0: the paper's estimate scales the receiver's own cost per tuple, U_r / T_r, which is
+  then unknown (0 / 0) or claims the pid would cost nothing. In that case the pid is assumed to cost the
+  receiver what it cost the donor: U_r' = U_r + U_d N_p / T_d. A donor with T_d = 0 has nothing to move.
+- Pids with N_p = 0 never move: they change no estimate, so they cannot reduce the imbalance.
+- T_j sums N_pid over the pids the assignment gives to j, in-flight pids included (their tuples were
+  processed there); pids in `Snapshot.moves_in_flight` are never chosen.
+- Only live instances (those in `Snapshot.instances`) take part; with an odd count the middle instance
+  is unpaired. Ties are broken by instance id and by pid, so the round is deterministic.
+- The move phase's duration is known only after the moves finished, so a decision with moves returns
+  next_interval_s = None and the caller feeds the measured duration to `interval_after_move_phase`,
+  which applies delta_min as well (the paper's minimum is on the collection phase, whatever set it).
+  A decision without moves returns max(interval_s / 2, delta_min_s), interval_s being the delta the
+  snapshot's statistics were collected over.
+- Defaults: th_imb = 1.2, th_util = 0.9 as in the paper's experiments. delta_min_s = 0.25 s, the value at
+  which the paper's skewed, unloaded run stopped thrashing (10 ms, its first setting, thrashed). The
+  paper gives no first delta; delta_s = 1 s. Statistics here come from micro-batches, so a deployment
+  should keep delta_min_s at a few trigger intervals or more.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from controller.assignment import HandoffMode, Move
+from controller.policies.base import Decision, InstanceStats, Snapshot, no_change
+
+_REFUSALS_SHOWN = 4
+"""A reason names this many refused pids at most."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FluxParams:
+    """Thresholds of the Flux round (see the module docstring for where each default comes from)."""
+
+    th_imb: float = 1.2
+    th_util: float = 0.9
+    delta_s: float = 1.0
+    """The first round's collection interval; later rounds carry theirs in `Snapshot.interval_s`."""
+    delta_min_s: float = 0.25
+    mode: HandoffMode = HandoffMode.TRANSFER
+
+    def __post_init__(self) -> None:
+        if self.th_imb < 1.0:
+            raise ValueError(f"th_imb must be >= 1, got {self.th_imb}")
+        if not 0.0 < self.th_util <= 1.0:
+            raise ValueError(f"th_util must be in (0, 1], got {self.th_util}")
+        if not 0.0 < self.delta_min_s <= self.delta_s:
+            raise ValueError(f"need 0 < delta_min_s <= delta_s, got {self.delta_min_s}, {self.delta_s}")
+
+
+def imbalance(u_a: float, u_b: float) -> float:
+    """Utilization ratio of two instances, larger over smaller (inf against an idle one, 1 if both idle)."""
+    high, low = max(u_a, u_b), min(u_a, u_b)
+    if low > 0.0:
+        return high / low
+    return math.inf if high > 0.0 else 1.0
+
+
+def estimate_after_move(u_d: float, t_d: int, u_r: float, t_r: int, n_p: int) -> tuple[float, float]:
+    """(U_d', U_r') if a pid that processed n_p tuples moves from the donor to the receiver.
+
+    The paper's U_d (1 - N_p / T_d) and U_r (1 + N_p / T_r); when the receiver's cost per tuple is
+    unknown (T_r = 0 or U_r = 0) the pid is charged at the donor's cost, U_r + U_d N_p / T_d.
+    """
+    if t_d <= 0 or not 0 <= n_p <= t_d:
+        raise ValueError(f"need 0 <= n_p <= t_d and t_d > 0, got n_p={n_p}, t_d={t_d}")
+    u_d_after = u_d * (1.0 - n_p / t_d)
+    receiver_cost_known = t_r > 0 and u_r > 0.0
+    u_r_after = u_r * (1.0 + n_p / t_r) if receiver_cost_known else u_r + u_d * n_p / t_d
+    return u_d_after, u_r_after
+
+
+def interval_after_move_phase(move_phase_s: float, params: FluxParams) -> float:
+    """The next collection interval after a round that moved: the move phase's length, at least delta_min."""
+    return max(move_phase_s, params.delta_min_s)
+
+
+def interval_without_moves(interval_s: float, params: FluxParams) -> float:
+    """The next collection interval after a round that moved nothing: half of it, at least delta_min."""
+    return max(interval_s / 2.0, params.delta_min_s)
+
+
+def threshold_failure(
+    donor: InstanceStats, receiver: InstanceStats, mean_u: float, params: FluxParams
+) -> str:
+    """Why the pair fails the paper's threshold test, or "" if it passes."""
+    u_d, u_r = donor.busy_fraction, receiver.busy_fraction
+    if u_d < mean_u:
+        return f"U_d {u_d:.3f} < mean U {mean_u:.3f}"
+    ratio = imbalance(u_d, u_r)
+    if ratio < params.th_imb:
+        return f"U_d/U_r {ratio:.3f} < th_imb {params.th_imb}"
+    if u_r > params.th_util:
+        return f"U_r {u_r:.3f} > th_util {params.th_util}"
+    return ""
+
+
+class FluxPolicy:
+    """The Flux load-balancing round; see the module docstring."""
+
+    name = "flux"
+
+    def default_params(self) -> FluxParams:
+        return FluxParams()
+
+    def decide(self, snapshot: Snapshot, params: FluxParams) -> Decision:
+        """One round: at most one move per (donor, receiver) pair, stopping at the first failing pair."""
+        calm = interval_without_moves(snapshot.interval_s, params)
+        ranked = sorted(snapshot.instances, key=lambda s: (-s.busy_fraction, s.instance))
+        if len(ranked) < 2:
+            return no_change("flux: fewer than two live instances", calm)
+        mean_u = sum(s.busy_fraction for s in ranked) / len(ranked)
+        moves: list[Move] = []
+        notes: list[str] = []
+        for i in range(len(ranked) // 2):
+            donor, receiver = ranked[i], ranked[-1 - i]
+            pair = f"{donor.instance}->{receiver.instance}"
+            failure = threshold_failure(donor, receiver, mean_u, params)
+            if failure:
+                notes.append(f"stopped at {pair}: {failure}")
+                break
+            move, note = self._pick(snapshot, donor, receiver, params)
+            notes.append(f"{pair}: {note}")
+            if move is not None:
+                moves.append(move)
+        reason = "flux: " + "; ".join(notes)
+        if not moves:
+            return no_change(reason, calm)
+        return Decision(tuple(moves), reason, None)
+
+    @staticmethod
+    def _pick(
+        snapshot: Snapshot, donor: InstanceStats, receiver: InstanceStats, params: FluxParams
+    ) -> tuple[Move | None, str]:
+        """The donor's first pid (by N_pid descending, then pid) whose move reduces the pair's imbalance."""
+        donor_pids = snapshot.assignment.pids_of(donor.instance)
+        t_d = sum(snapshot.tuples_of(pid) for pid in donor_pids)
+        t_r = sum(snapshot.tuples_of(pid) for pid in snapshot.assignment.pids_of(receiver.instance))
+        u_d, u_r = donor.busy_fraction, receiver.busy_fraction
+        if t_d == 0:
+            return None, "donor processed no tuples"
+        before = imbalance(u_d, u_r)
+        refused: list[str] = []
+        for pid in sorted(donor_pids, key=lambda p: (-snapshot.tuples_of(p), p)):
+            n_p = snapshot.tuples_of(pid)
+            if n_p == 0:
+                break
+            if pid in snapshot.moves_in_flight:
+                refused.append(f"pid {pid} in flight")
+                continue
+            u_d_after, u_r_after = estimate_after_move(u_d, t_d, u_r, t_r, n_p)
+            if u_r_after > 1.0:
+                refused.append(f"pid {pid} U_r' {u_r_after:.3f} > 1")
+                continue
+            after = imbalance(u_d_after, u_r_after)
+            if after < before:
+                move = Move(pid, donor.instance, receiver.instance, params.mode)
+                estimate = f"U {u_d:.3f}->{u_d_after:.3f}, {u_r:.3f}->{u_r_after:.3f}"
+                passed = f"; passed over {_listing(refused)}" if refused else ""
+                return move, f"move pid {pid} ({estimate}{passed})"
+            refused.append(f"pid {pid} imbalance {before:.3f}->{after:.3f}")
+        return None, f"no pid reduces the imbalance ({_listing(refused) or 'no candidate pids'})"
+
+
+def _listing(refusals: list[str]) -> str:
+    """The first few refusals, and how many more; a donor may own a hundred pids."""
+    shown = refusals[:_REFUSALS_SHOWN]
+    if len(refusals) > len(shown):
+        shown.append(f"{len(refusals) - len(shown)} more")
+    return ", ".join(shown)
