@@ -33,7 +33,7 @@ from generator.schedules import ArrivalProcess, rate_at
 from pipeline.codec import HEADER_BYTES, encode_tuples
 from pipeline.config import Config
 from pipeline.partitioning import pids_of, stable_hash
-from pipeline.topics import ensure_topics
+from pipeline.topics import KAFKA_LOG, ensure_topics
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -219,6 +219,7 @@ class _Sender:
     def __init__(self, bootstrap: str, overrides: dict[str, Any] | None = None) -> None:
         conf = {**PRODUCER_CONFIG, **(overrides or {}), "bootstrap.servers": bootstrap}
         conf["on_delivery"] = self._on_delivery
+        conf["logger"] = KAFKA_LOG
         self.producer = Producer(conf)
         self.messages = 0
         self.bytes = 0
@@ -305,7 +306,9 @@ def run_generator(
     g = cfg.generator
     source = TupleSource(cfg)
     topics = cfg.input_topics
-    sender = _Sender(bootstrap, producer_overrides)
+    # Real time: a tick's messages are all produced at its end, so lingering only adds latency.
+    linger = {"linger.ms": 5} if g.mode == "real_time" else {}
+    sender = _Sender(bootstrap, {**linger, **(producer_overrides or {})})
     display = _Progress(progress, g.max_tuples)
     started = time.monotonic()
     start_ms = time.time_ns() // 1_000_000

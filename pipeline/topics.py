@@ -12,6 +12,7 @@ instead of librdkafka retrying forever behind a hung command.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,12 @@ from pipeline.config import Config
 
 # Seconds to wait for the broker to answer, and for new topics to show up in metadata with leaders.
 DEFAULT_TIMEOUT_S = 10.0
+
+# librdkafka's own log lines (e.g. a connection refused every 50 ms while a broker is down) go to
+# this logger instead of straight to stderr: an application that configures logging sees them, a
+# command line tool shows the one clear error raised here instead.
+KAFKA_LOG = logging.getLogger("fluxjoin.kafka")
+KAFKA_LOG.addHandler(logging.NullHandler())
 
 
 class TopicError(ValueError):
@@ -56,7 +63,9 @@ def topic_specs(cfg: Config) -> list[TopicSpec]:
 
 def admin_client(bootstrap: str) -> AdminClient:
     """An AdminClient for `bootstrap` (does not connect until first used)."""
-    return AdminClient({"bootstrap.servers": bootstrap, "socket.connection.setup.timeout.ms": 5000})
+    return AdminClient(
+        {"bootstrap.servers": bootstrap, "socket.connection.setup.timeout.ms": 5000}, logger=KAFKA_LOG
+    )
 
 
 def check_reachable(bootstrap: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -69,7 +78,10 @@ def _metadata_topics(admin: AdminClient, bootstrap: str, timeout_s: float) -> di
     try:
         md = admin.list_topics(timeout=timeout_s)
     except KafkaException as exc:
-        raise BrokerUnreachable(f"cannot reach Kafka at {bootstrap} within {timeout_s:g} s ({exc})") from None
+        err = exc.args[0] if exc.args else None
+        detail = err.str() if isinstance(err, KafkaError) else str(exc)
+        message = f"cannot reach Kafka at {bootstrap} within {timeout_s:g} s ({detail})"
+        raise BrokerUnreachable(message) from None
     return {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
 
 
