@@ -49,10 +49,10 @@ def _config(config: Path | None, sets: list[str] | None, bootstrap: str | None) 
 
 def _bootstrap(cfg: Config) -> str:
     """The cluster to talk to: `--bootstrap`, else the running embedded broker."""
-    from controller import kafka_runtime
-
     if cfg.bootstrap:
         return cfg.bootstrap
+    from controller import kafka_runtime
+
     address = kafka_runtime.running_address()
     if address is None:
         fail("no Kafka broker: run `fluxjoin kafka start` first, or pass --bootstrap HOST:PORT")
@@ -139,9 +139,9 @@ def demo(
     duration: Annotated[float, typer.Option(help="Seconds of input to generate.")] = 150.0,
 ) -> None:
     """Embedded Kafka, generator, N instances, live view, verification and a report."""
-    from controller.demo import run_demo
+    from controller.demo import DEMO_DEFAULTS, run_demo
 
-    cfg = _config(config, set_, bootstrap)
+    cfg = _config(config, [*DEMO_DEFAULTS, *(set_ or [])], bootstrap)
     summary = run_demo(cfg, duration_s=duration, json_output=json_)
     if json_:
         print(json.dumps(summary))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 import numpy.typing as npt
@@ -33,8 +34,22 @@ HEADER_BYTES = _HEADER.size
 I64 = npt.NDArray[np.int64]
 
 
+class Malformation(IntEnum):
+    """Why a record was rejected; travels as a small integer through Spark, as text to the dead letters."""
+
+    TRUNCATED = 1
+    UNKNOWN_VERSION = 2
+    WRONG_KIND = 3
+    WRONG_LENGTH = 4
+    WRONG_PARTITION = 5
+
+
 class MalformedRecord(ValueError):
     """A record that does not decode; the message says why (it goes to the dead-letter topic)."""
+
+    def __init__(self, reason: Malformation, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +93,12 @@ def encode_tuples(ids: I64, keys: I64, event_times: I64, payload: npt.NDArray[np
 
 def _header(buf: bytes, kind: int) -> tuple[int, int]:
     if buf is None or len(buf) < HEADER_BYTES:
-        raise MalformedRecord(f"shorter than the {HEADER_BYTES}-byte header")
+        raise MalformedRecord(Malformation.TRUNCATED, f"shorter than the {HEADER_BYTES}-byte header")
     version, got_kind, n, extra = _HEADER.unpack_from(buf)
     if version != VERSION:
-        raise MalformedRecord(f"unknown schema version {version} (this build reads {VERSION})")
+        raise MalformedRecord(Malformation.UNKNOWN_VERSION, f"unknown schema version {version} (this build reads {VERSION})")
     if got_kind != kind:
-        raise MalformedRecord(f"record kind {got_kind}, expected {kind}")
+        raise MalformedRecord(Malformation.WRONG_KIND, f"record kind {got_kind}, expected {kind}")
     return n, extra
 
 
@@ -91,7 +106,7 @@ def decode_tuples(buf: bytes) -> TupleBatch:
     n, payload_len = _header(buf, KIND_TUPLES)
     expected = HEADER_BYTES + n * (24 + payload_len)
     if len(buf) != expected:
-        raise MalformedRecord(f"length {len(buf)} bytes, header says {expected}")
+        raise MalformedRecord(Malformation.WRONG_LENGTH, f"length {len(buf)} bytes, header says {expected}")
     cols = np.frombuffer(buf, dtype="<i8", count=3 * n, offset=HEADER_BYTES).reshape(3, n)
     payload = np.frombuffer(buf, dtype=np.uint8, offset=HEADER_BYTES + 24 * n).reshape(n, payload_len)
     return TupleBatch(cols[0], cols[1], cols[2], payload)
@@ -102,7 +117,7 @@ def decode_tuple_columns(buf: bytes) -> tuple[I64, I64, I64]:
     n, payload_len = _header(buf, KIND_TUPLES)
     expected = HEADER_BYTES + n * (24 + payload_len)
     if len(buf) != expected:
-        raise MalformedRecord(f"length {len(buf)} bytes, header says {expected}")
+        raise MalformedRecord(Malformation.WRONG_LENGTH, f"length {len(buf)} bytes, header says {expected}")
     cols = np.frombuffer(buf, dtype="<i8", count=3 * n, offset=HEADER_BYTES).reshape(3, n)
     return cols[0], cols[1], cols[2]
 
@@ -123,6 +138,6 @@ def decode_results(buf: bytes) -> ResultBatch:
     n, m = _header(buf, KIND_RESULTS)
     expected = HEADER_BYTES + 8 * n * (m + 2)
     if len(buf) != expected:
-        raise MalformedRecord(f"length {len(buf)} bytes, header says {expected}")
+        raise MalformedRecord(Malformation.WRONG_LENGTH, f"length {len(buf)} bytes, header says {expected}")
     cols = np.frombuffer(buf, dtype="<i8", count=(m + 2) * n, offset=HEADER_BYTES).reshape(m + 2, n)
     return ResultBatch(cols[:m], cols[m], cols[m + 1])

@@ -1,0 +1,181 @@
+"""The local runtime: instance and generator processes on this machine, and what they report.
+
+Used by `fluxjoin demo`, the benchmarks and the integration tests, so all three run the pipeline the
+same way a user does: each instance is a separate `fluxjoin instance` process (its own Spark
+application), the generator a `fluxjoin generate` process, all sharing one configuration file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from pipeline.config import Config
+from pipeline.partitioning import contiguous_ranges
+
+
+def pid_spec(pids: range | list[int]) -> str:
+    return ",".join(str(p) for p in pids)
+
+
+@dataclass
+class LocalPipeline:
+    """A pipeline's processes. `work` holds the config, logs and the instances' checkpoints."""
+
+    cfg: Config
+    bootstrap: str
+    work: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: dict[str, IO[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.cfg = self.cfg.with_overrides(bootstrap=self.bootstrap, **{"instance.work_dir": str(self.work)})
+        self.config_path = self.work / "config.yaml"
+        self.config_path.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.work / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+        env = os.environ | {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "controller", *args, "--config", str(self.config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # Ctrl-C goes to the supervisor, which stops children in order
+        )
+        self.procs[name], self.logs[name] = proc, log
+        return proc
+
+    def start_instance(self, name: str, pids: range | list[int]) -> None:
+        self._spawn(name, ["instance", "--name", name, "--pids", pid_spec(pids)])
+
+    def start_instances(self, count: int) -> list[str]:
+        names = []
+        for i, pids in enumerate(contiguous_ranges(self.cfg.partitions, count)):
+            name = f"instance-{i}"
+            self.start_instance(name, pids)
+            names.append(name)
+        return names
+
+    def start_generator(self) -> None:
+        self._spawn("generator", ["generate"])
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            proc.wait(30)
+
+    def failed(self) -> dict[str, int]:
+        """Processes that exited with an error (the generator exiting 0 is normal)."""
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        text = (self.work / f"{name}.log").read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM everything (instances finish their batch), then SIGKILL stragglers."""
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 30
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in self.logs.values():
+            log.close()
+
+
+def committed_offsets(cfg: Config, bootstrap: str) -> dict[tuple[str, int], int]:
+    """(stream, pid) -> next offset that the newest commit marker of its owner says is done."""
+    from pipeline.oracle import read_topic
+
+    newest: dict[str, dict[str, Any]] = {}
+    for _, _, value in read_topic(bootstrap, cfg.sink_commits_topic):
+        marker = json.loads(value)
+        newest[marker["instance"]] = marker
+    done: dict[tuple[str, int], int] = {}
+    for marker in newest.values():
+        for stream, by_pid in marker["offsets"].items():
+            for pid, offset in by_pid.items():
+                key = (stream, int(pid))
+                done[key] = max(done.get(key, 0), int(offset))
+    return done
+
+
+def end_offsets(cfg: Config, bootstrap: str) -> dict[tuple[str, int], int]:
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient, OffsetSpec
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    request = {
+        TopicPartition(cfg.input_topic(s), p): OffsetSpec.latest()
+        for s in cfg.streams for p in range(cfg.partitions)
+    }
+    stream_of = {cfg.input_topic(s): s for s in cfg.streams}
+    return {
+        (stream_of[tp.topic], tp.partition): fut.result().offset
+        for tp, fut in admin.list_offsets(request, request_timeout=30).items()
+    }
+
+
+def backlog(cfg: Config, bootstrap: str) -> int:
+    """Input messages not yet covered by a committed batch, over all pids."""
+    done = committed_offsets(cfg, bootstrap)
+    return sum(max(0, end - done.get(key, 0)) for key, end in end_offsets(cfg, bootstrap).items())
+
+
+def wait_drained(pipeline: LocalPipeline, timeout_s: float) -> None:
+    """Block until every input message is covered by a committed batch (or raise)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = backlog(pipeline.cfg, pipeline.bootstrap)
+        if left == 0:
+            return
+        failed = pipeline.failed()
+        if failed:
+            name = next(iter(failed))
+            raise RuntimeError(f"{name} exited with {failed[name]}:\n{pipeline.log_tail(name)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{left} input messages still unprocessed after {timeout_s:.0f} s")
+        time.sleep(1.0)
+
+
+class MetricsFollower:
+    """Tails the metrics topic; `poll()` returns the records that arrived since the last call."""
+
+    def __init__(self, cfg: Config, bootstrap: str) -> None:
+        from confluent_kafka import Consumer, TopicPartition
+
+        self._consumer = Consumer(
+            {"bootstrap.servers": bootstrap, "group.id": "fluxjoin-unused", "enable.auto.commit": False,
+             "isolation.level": "read_committed"}
+        )
+        meta = self._consumer.list_topics(cfg.metrics_topic, timeout=30).topics[cfg.metrics_topic]
+        self._consumer.assign([TopicPartition(cfg.metrics_topic, p, 0) for p in meta.partitions])
+
+    def poll(self) -> Iterator[dict[str, Any]]:
+        for msg in self._consumer.consume(num_messages=10_000, timeout=0.2):
+            if msg.error() is None:
+                yield json.loads(msg.value())
+
+    def close(self) -> None:
+        self._consumer.close()

@@ -1,0 +1,131 @@
+"""A join instance: one Spark application running one Structured Streaming query.
+
+source (assigned pids from Kafka) -> groupBy(pid).applyInPandasWithState(join) -> exactly-once sink.
+The instance's durable state is its work directory: the Spark checkpoint (offset log, commit log,
+state store) and the assignment file the source reads at every batch boundary. Restarting with the
+same name and work directory resumes exactly where the last committed batch ended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Config
+from pipeline.source import OwnedPids, write_assignment
+
+
+def parse_pids(spec: str, partitions: int) -> frozenset[int]:
+    """'0-15,20,22-23' -> {0..15, 20, 22, 23}; every pid must be in [0, P)."""
+    pids: set[int] = set()
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        lo, _, hi = item.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"pid spec {item!r} is not a number or a range like 0-15") from None
+        if first > last or first < 0 or last >= partitions:
+            raise ValueError(f"pid range {item!r} is outside 0-{partitions - 1}")
+        pids.update(range(first, last + 1))
+    if not pids:
+        raise ValueError("an instance must own at least one pid")
+    return frozenset(pids)
+
+
+def instance_dir(cfg: Config, name: str) -> Path:
+    return Path(cfg.instance.work_dir) / cfg.pipeline / name
+
+
+def spark_session(cfg: Config, app_name: str) -> Any:
+    """A local Spark session tuned for one instance: small shuffles, Arrow, no UI."""
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    return (
+        SparkSession.builder.master(cfg.instance.spark_master)
+        .appName(app_name)
+        .config("spark.driver.memory", cfg.instance.driver_memory)
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", str(cfg.instance.shuffle_partitions))
+        .config("spark.sql.execution.arrow.maxRecordsPerBatch", "100000")
+        .config("spark.sql.streaming.stateStore.maintenanceInterval", "30s")
+        .config("spark.sql.streaming.minBatchesToRetain", "20")
+        .config("spark.sql.adaptive.enabled", "false")
+        .config("spark.python.worker.reuse", "true")
+
+        .getOrCreate()
+    )
+
+
+def start_query(spark: Any, cfg: Config, bootstrap: str, name: str) -> Any:
+    """Build and start the instance's streaming query; the assignment file must exist."""
+    from pipeline.operator import STATE_SCHEMA, make_join_function, output_schema
+    from pipeline.sink import ExactlyOnceSink
+    from pipeline.source import FluxjoinSource
+
+    home = instance_dir(cfg, name)
+    checkpoint = home / "checkpoint"
+    spark.dataSource.register(FluxjoinSource)
+    max_messages = max(1, cfg.instance.max_rows_per_batch // cfg.generator.tuples_per_message)
+    rows = (
+        spark.readStream.format("fluxjoin")
+        .option("bootstrap", bootstrap)
+        .option("streams", ",".join(cfg.streams))
+        .option("topics", ",".join(cfg.input_topics))
+        .option("assignment", str((home / "assignment.json").resolve()))
+        .option("partitions", str(cfg.partitions))
+        .option("max_messages", str(max_messages))
+        .option("tasks", "2")
+        .load()
+    )
+    joined = rows.groupBy("pid").applyInPandasWithState(
+        make_join_function(len(cfg.streams), cfg.window_ms, cfg.allowed_lateness_ms),
+        outputStructType=output_schema(len(cfg.streams)),
+        stateStructType=STATE_SCHEMA,
+        outputMode="append",
+        timeoutConf="NoTimeout",
+    )
+    sink = ExactlyOnceSink(cfg, bootstrap, name, checkpoint.resolve())
+    return (
+        joined.writeStream.queryName(name.replace("-", "_"))
+        .foreachBatch(sink)
+        .option("checkpointLocation", str(checkpoint.resolve()))
+        .trigger(processingTime=f"{cfg.instance.trigger_ms} milliseconds")
+        .start()
+    )
+
+
+def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int]) -> None:
+    """Run until SIGINT/SIGTERM; a restart with the same name resumes from the checkpoint."""
+    from pipeline.topics import check_reachable, ensure_topics
+
+    check_reachable(bootstrap)
+    ensure_topics(cfg, bootstrap)
+    home = instance_dir(cfg, name)
+    assignment = home / "assignment.json"
+    if not assignment.exists():
+        write_assignment(assignment, OwnedPids(epoch=0, pids=pids, start_offsets={}))
+    spark = spark_session(cfg, f"fluxjoin-{name}")
+    spark.sparkContext.setLogLevel("WARN")
+    query = start_query(spark, cfg, bootstrap, name)
+    stopping = threading.Event()
+
+    def _stop(signum: int, frame: Any) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(f"{name}: running, pids {min(pids)}..{max(pids)} ({len(pids)}), checkpoint {home}", flush=True)
+    while not stopping.is_set() and query.isActive:
+        stopping.wait(0.5)
+    if query.exception() is not None:
+        print(f"{name}: query failed: {query.exception()}", file=sys.stderr, flush=True)
+        spark.stop()
+        sys.exit(1)
+    query.stop()
+    spark.stop()

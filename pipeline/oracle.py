@@ -1,0 +1,206 @@
+"""The oracle: the exact join computed offline from the input topics, compared with the results topic.
+
+"No loss, no duplicates" means the multiset of produced results equals the multiset of expected ones.
+Tuples the instances reported as late (dead-letter topic) are excluded from the expected join, since
+the pipeline's contract is to report them instead of joining them; they are counted in the report.
+
+Memory stays bounded by joining in event-time chunks of stream 0: a combination's stream-0 part lies
+in exactly one chunk, and its other parts within W of it, so each combination is found exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pipeline.codec import MalformedRecord, decode_results, decode_tuple_columns
+from pipeline.config import Config
+from pipeline.join import Part, Results, join_parts
+
+CHUNK_TUPLES = 250_000
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    input_tuples: int
+    late: int
+    malformed: int
+    expected: int
+    produced: int
+    missing: int
+    duplicate: int
+    spurious: int
+
+    @property
+    def exact(self) -> bool:
+        return self.missing == 0 and self.duplicate == 0 and self.spurious == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"exact": self.exact}
+
+    def describe(self) -> str:
+        verdict = "EXACT" if self.exact else "NOT EXACT"
+        return (
+            f"input tuples {self.input_tuples:,} (late {self.late:,}, malformed records {self.malformed:,})\n"
+            f"expected {self.expected:,}  produced {self.produced:,}  missing {self.missing:,}  "
+            f"duplicate {self.duplicate:,}  spurious {self.spurious:,}  -> {verdict}"
+        )
+
+
+def read_topic(bootstrap: str, topic: str, timeout_s: float = 120.0) -> Iterator[tuple[int, int, bytes]]:
+    """Every committed message of `topic` up to its current end: (partition, offset, value)."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "fluxjoin-unused",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed",
+            "fetch.max.bytes": 64 * 1024 * 1024,
+        }
+    )
+    try:
+        meta = consumer.list_topics(topic, timeout=30).topics[topic]
+        if meta.error is not None:
+            raise RuntimeError(f"topic {topic}: {meta.error}")
+        ends: dict[int, int] = {}
+        assign = []
+        for p in sorted(meta.partitions):
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            if high > low:
+                ends[p] = high
+                assign.append(TopicPartition(topic, p, low))
+        consumer.assign(assign)
+        pending = set(ends)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{topic}: could not read to the end within {timeout_s:.0f} s")
+            for msg in consumer.consume(num_messages=10_000, timeout=1.0):
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        pending.discard(msg.partition())
+                        continue
+                    raise RuntimeError(f"reading {topic}: {err}")
+                if msg.offset() >= ends[msg.partition()] - 1:
+                    pending.discard(msg.partition())
+                if msg.offset() < ends[msg.partition()]:
+                    yield msg.partition(), msg.offset(), msg.value()
+    finally:
+        consumer.close()
+
+
+def read_stream(bootstrap: str, topic: str) -> tuple[Part, int]:
+    """All well-formed tuples of an input topic, and the number of malformed records skipped."""
+    ids, keys, ts = [], [], []
+    malformed = 0
+    for _, _, value in read_topic(bootstrap, topic):
+        try:
+            i, k, t = decode_tuple_columns(value)
+        except MalformedRecord:
+            malformed += 1
+            continue
+        ids.append(i)
+        keys.append(k)
+        ts.append(t)
+    if not ids:
+        return Part.empty(), malformed
+    return Part(np.concatenate(ids), np.concatenate(keys), np.concatenate(ts)), malformed
+
+
+def read_late(bootstrap: str, cfg: Config) -> dict[str, set[int]]:
+    late: dict[str, set[int]] = {s: set() for s in cfg.streams}
+    for _, _, value in read_topic(bootstrap, cfg.dead_letter_topic):
+        record = json.loads(value)
+        if record.get("reason", "").startswith("late"):
+            late[record["stream"]].add(int(record["id"]))
+    return late
+
+
+def expected_join(parts: list[Part], window_ms: int, chunk: int = CHUNK_TUPLES) -> Results:
+    """The exact m-way window join of whole streams, in event-time chunks of stream 0."""
+    ordered = []
+    for p in parts:
+        o = np.argsort(p.ts, kind="stable")
+        ordered.append(Part(p.ids[o], p.keys[o], p.ts[o]))
+    first, others = ordered[0], ordered[1:]
+    found: list[Results] = []
+    for lo in range(0, len(first), chunk):
+        head = Part(first.ids[lo:lo + chunk], first.keys[lo:lo + chunk], first.ts[lo:lo + chunk])
+        t_lo, t_hi = int(head.ts[0]) - window_ms, int(head.ts[-1]) + window_ms
+        window_parts = [head]
+        for p in others:
+            a, b = np.searchsorted(p.ts, t_lo, "left"), np.searchsorted(p.ts, t_hi, "right")
+            window_parts.append(Part(p.ids[a:b], p.keys[a:b], p.ts[a:b]))
+        r = join_parts(window_parts, window_ms)
+        if len(r):
+            found.append(r)
+    m = len(parts)
+    if not found:
+        return Results(np.empty((m, 0), np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+    return Results(
+        np.hstack([r.ids for r in found]),
+        np.concatenate([r.keys for r in found]),
+        np.concatenate([r.max_ts for r in found]),
+    )
+
+
+def compare(expected: np.ndarray, produced: np.ndarray) -> tuple[int, int, int]:
+    """(missing, duplicate, spurious) between two multisets of id rows, given as (m, n) arrays."""
+    m = expected.shape[0]
+    cols = [f"id{j}" for j in range(m)]
+    e = pd.DataFrame(expected.T, columns=cols).value_counts().rename("e")
+    p = pd.DataFrame(produced.T, columns=cols).value_counts().rename("p")
+    both = pd.concat([e, p], axis=1).fillna(0)
+    ce, cp = both["e"].to_numpy(), both["p"].to_numpy()
+    missing = int(np.clip(ce - cp, 0, None).sum())
+    duplicate = int(np.where(ce > 0, np.clip(cp - ce, 0, None), 0).sum())
+    spurious = int(np.where(ce == 0, cp, 0).sum())
+    return missing, duplicate, spurious
+
+
+def read_results(bootstrap: str, cfg: Config) -> np.ndarray:
+    chunks = [decode_results(v).ids for _, _, v in read_topic(bootstrap, cfg.results_topic)]
+    m = len(cfg.streams)
+    return np.hstack(chunks) if chunks else np.empty((m, 0), dtype=np.int64)
+
+
+def verify_pipeline(
+    cfg: Config, bootstrap: str, progress: Callable[[str], None] | None = None
+) -> VerifyReport:
+    say = progress or (lambda _msg: None)
+    parts, malformed, late_count = [], 0, 0
+    late = read_late(bootstrap, cfg)
+    for s in cfg.streams:
+        say(f"reading {cfg.input_topic(s)}")
+        part, bad = read_stream(bootstrap, cfg.input_topic(s))
+        malformed += bad
+        if late[s]:
+            is_late = np.isin(part.ids, np.fromiter(late[s], dtype=np.int64))
+            late_count += int(is_late.sum())
+            part = part.take(~is_late)
+        parts.append(part)
+    say("computing the exact join")
+    expected = expected_join(parts, cfg.window_ms)
+    say(f"reading {cfg.results_topic}")
+    produced = read_results(bootstrap, cfg)
+    missing, duplicate, spurious = compare(expected.ids, produced)
+    return VerifyReport(
+        input_tuples=sum(len(p) for p in parts) + late_count,
+        late=late_count,
+        malformed=malformed,
+        expected=expected.ids.shape[1],
+        produced=produced.shape[1],
+        missing=missing,
+        duplicate=duplicate,
+        spurious=spurious,
+    )
