@@ -162,15 +162,24 @@ build_etcd() {
 }
 
 build_helm() {
-  local want="helm.sh/helm/v3 v$HELM_VERSION"
+  local want="helm.sh/helm/v3 v$HELM_VERSION (kube version from its client-go)"
   if stamp_ok helm "$want"; then
     log "helm v$HELM_VERSION: up to date"
     return
   fi
   local t0=$SECONDS
   log "building helm v$HELM_VERSION..."
-  GOBIN="$BIN" GOFLAGS="-buildvcs=false" "$GO" install -trimpath \
-    -ldflags="$LDFLAGS_STRIP -X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION -X helm.sh/helm/v3/internal/version.metadata=" \
+  # Like helm's Makefile: the Kubernetes version `helm template` and `helm lint` assume (without a
+  # cluster) is the one of the client-go helm is built with; unset, it is v1.20.
+  local gomod kminor x
+  gomod="$(GOFLAGS=-mod=mod "$GO" mod download -json "helm.sh/helm/v3@v$HELM_VERSION" \
+    | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')"
+  kminor="$(sed -n 's/^[[:space:]]*k8s.io\/client-go v0\.\([0-9]*\)\..*/\1/p' "$gomod" | head -1)"
+  x="-X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION -X helm.sh/helm/v3/internal/version.metadata="
+  for pkg in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+    x+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$kminor"
+  done
+  GOBIN="$BIN" GOFLAGS="-buildvcs=false" "$GO" install -trimpath -ldflags="$LDFLAGS_STRIP $x" \
     "helm.sh/helm/v3/cmd/helm@v$HELM_VERSION"
   write_stamp helm "$want"
   log "helm built in $((SECONDS - t0)) s"
