@@ -14,7 +14,7 @@ from pathlib import Path
 import kubernetes
 import pytest
 
-from tests.k8s.cluster import ClusterError, KubeCluster, start_cluster, tools_bin
+from tests.k8s.cluster import ClusterError, KubeCluster, missing_tools, start_cluster, tools_bin
 
 K8S_DIR = Path(__file__).resolve().parent
 
@@ -23,6 +23,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if K8S_DIR in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.k8s)
+
+
+@pytest.fixture(scope="session")
+def k8s_bin() -> Path:
+    """The directory holding kubectl and helm (for tests that need no API server)."""
+    bin_dir = tools_bin()
+    missing = missing_tools(bin_dir)
+    if missing:
+        pytest.fail(
+            f"Kubernetes test tools missing in {bin_dir}: {', '.join(missing)}. "
+            "Run `scripts/ensure-k8s-tools.sh` once.",
+            pytrace=False,
+        )
+    return bin_dir
 
 
 @pytest.fixture(scope="session")
