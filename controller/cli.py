@@ -37,6 +37,13 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors that are the user's to fix: printed as one line, no traceback."""
+    from pipeline.topics import BrokerUnreachable, TopicError
+
+    return (ConfigError, BrokerUnreachable, TopicError)
+
+
 def _config(config: Path | None, sets: list[str] | None, bootstrap: str | None) -> Config:
     try:
         cfg = load_config(config, sets or [])
@@ -94,7 +101,10 @@ def generate(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: Bootstrap
     from generator.producer import run_generator
 
     cfg = _config(config, set_, bootstrap)
-    stats = run_generator(cfg, _bootstrap(cfg), progress=True)
+    try:
+        stats = run_generator(cfg, _bootstrap(cfg), progress=True)
+    except _user_errors() as exc:
+        fail(str(exc))
     print(json.dumps(stats))
 
 
@@ -114,7 +124,10 @@ def instance(
         owned = parse_pids(pids, cfg.partitions)
     except ValueError as exc:
         fail(str(exc))
-    run_instance(cfg, _bootstrap(cfg), name, owned)
+    try:
+        run_instance(cfg, _bootstrap(cfg), name, owned)
+    except _user_errors() as exc:
+        fail(str(exc))
 
 
 @app.command()
@@ -125,7 +138,10 @@ def verify(
     from pipeline.oracle import verify_pipeline
 
     cfg = _config(config, set_, bootstrap)
-    report = verify_pipeline(cfg, _bootstrap(cfg))
+    try:
+        report = verify_pipeline(cfg, _bootstrap(cfg))
+    except _user_errors() as exc:
+        fail(str(exc))
     print(json.dumps(report.as_dict()) if json_ else report.describe())
     raise typer.Exit(0 if report.exact else 1)
 
@@ -142,7 +158,10 @@ def demo(
     from controller.demo import DEMO_DEFAULTS, run_demo
 
     cfg = _config(config, [*DEMO_DEFAULTS, *(set_ or [])], bootstrap)
-    summary = run_demo(cfg, duration_s=duration, json_output=json_)
+    try:
+        summary = run_demo(cfg, duration_s=duration, json_output=json_)
+    except _user_errors() as exc:
+        fail(str(exc))
     if json_:
         print(json.dumps(summary))
     raise typer.Exit(0 if summary.get("exact") else 1)

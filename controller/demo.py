@@ -35,7 +35,9 @@ DEMO_DEFAULTS = [
 def demo_config(cfg: Config, duration_s: float) -> Config:
     """The run's own pipeline name (runs never share topics or checkpoints) and input duration."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return cfg.with_overrides(**{"generator.duration_s": duration_s, "pipeline": f"{cfg.pipeline}-demo-{stamp}"})
+    return cfg.with_overrides(
+        **{"generator.duration_s": duration_s, "pipeline": f"{cfg.pipeline}-demo-{stamp}"}
+    )
 
 
 class LiveStats:
@@ -56,7 +58,8 @@ class LiveStats:
         self.latencies.extend(record.get("latency_sample", []))
 
     def table(self, elapsed: float, left: int) -> Table:
-        t = Table(title=f"fluxjoin demo  t={elapsed:5.0f}s  joined input {self.tuples:,} tuples  backlog {left:,} msgs")
+        title = f"fluxjoin demo  t={elapsed:5.0f}s  joined {self.tuples:,} tuples  backlog {left:,} msgs"
+        t = Table(title=title)
         for col in ("instance", "pids", "tuples/s", "lag (msgs)", "state", "results/s", "latency p50", "p99"):
             t.add_column(col, justify="right")
         now_ms = time.time() * 1000
@@ -68,9 +71,14 @@ class LiveStats:
             state = sum(p["state_bytes"] for p in last["pids"].values())
             p50, p99 = last.get("latency_p50_s"), last.get("latency_p99_s")
             t.add_row(
-                name, str(len(last["lag"])), f"{tuples:,.0f}", f"{sum(last['lag'].values()):,}",
-                f"{state / 1e6:,.1f} MB", f"{results:,.0f}",
-                f"{p50:.2f}s" if p50 is not None else "-", f"{p99:.2f}s" if p99 is not None else "-",
+                name,
+                str(len(last["lag"])),
+                f"{tuples:,.0f}",
+                f"{sum(last['lag'].values()):,}",
+                f"{state / 1e6:,.1f} MB",
+                f"{results:,.0f}",
+                f"{p50:.2f}s" if p50 is not None else "-",
+                f"{p99:.2f}s" if p99 is not None else "-",
             )
         return t
 
@@ -94,7 +102,9 @@ def write_report(out: Path, cfg: Config, stats: LiveStats, summary: dict[str, An
         bins = np.arange(0, t.max() + 5, 5)
         counts, _ = np.histogram(t, bins=bins, weights=[r["tuples_in"] for r in rows])
         ax1.plot(bins[:-1], counts / 5, label=name)
-        lat = [(x, r["latency_p50_s"]) for x, r in zip(t, rows, strict=True) if r["latency_p50_s"] is not None]
+        lat = [
+            (x, r["latency_p50_s"]) for x, r in zip(t, rows, strict=True) if r["latency_p50_s"] is not None
+        ]
         if lat:
             ax2.plot([a for a, _ in lat], [b for _, b in lat], ".", markersize=3, label=f"{name} p50")
     ax1.set_ylabel("input tuples/s")
@@ -181,8 +191,10 @@ def _run_live(
     pipeline.start_instances(cfg.instances)
     pipeline.start_generator()
     follower = MetricsFollower(pipeline.cfg, pipeline.bootstrap)
-    console.print(f"pipeline {cfg.pipeline}: {cfg.instances} instances, generating for "
-                  f"{cfg.generator.duration_s:.0f} s; logs in {pipeline.work}")
+    console.print(
+        f"pipeline {cfg.pipeline}: {cfg.instances} instances, generating for "
+        f"{cfg.generator.duration_s:.0f} s; logs in {pipeline.work}"
+    )
     try:
         with Live(console=console, refresh_per_second=2, transient=json_output) as live:
             last_check, left = 0.0, 0

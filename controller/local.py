@@ -7,6 +7,7 @@ application), the generator a `fluxjoin generate` process, all sharing one confi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -87,12 +88,10 @@ class LocalPipeline:
 
     def stop(self) -> None:
         """SIGTERM everything (instances finish their batch), then SIGKILL stragglers."""
-        for name, proc in self.procs.items():
+        for proc in self.procs.values():
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + 30
         for proc in self.procs.values():
             try:
@@ -106,7 +105,7 @@ class LocalPipeline:
 
 def committed_offsets(cfg: Config, bootstrap: str) -> dict[tuple[str, int], int]:
     """(stream, pid) -> next offset that the newest commit marker of its owner says is done."""
-    from pipeline.oracle import read_topic
+    from pipeline.topics import read_topic
 
     newest: dict[str, dict[str, Any]] = {}
     for _, _, value in read_topic(bootstrap, cfg.sink_commits_topic):
@@ -128,7 +127,8 @@ def end_offsets(cfg: Config, bootstrap: str) -> dict[tuple[str, int], int]:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     request = {
         TopicPartition(cfg.input_topic(s), p): OffsetSpec.latest()
-        for s in cfg.streams for p in range(cfg.partitions)
+        for s in cfg.streams
+        for p in range(cfg.partitions)
     }
     stream_of = {cfg.input_topic(s): s for s in cfg.streams}
     return {
@@ -166,16 +166,21 @@ class MetricsFollower:
         from confluent_kafka import Consumer, TopicPartition
 
         self._consumer = Consumer(
-            {"bootstrap.servers": bootstrap, "group.id": "fluxjoin-unused", "enable.auto.commit": False,
-             "isolation.level": "read_committed"}
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": "fluxjoin-unused",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+            }
         )
         meta = self._consumer.list_topics(cfg.metrics_topic, timeout=30).topics[cfg.metrics_topic]
         self._consumer.assign([TopicPartition(cfg.metrics_topic, p, 0) for p in meta.partitions])
 
     def poll(self) -> Iterator[dict[str, Any]]:
         for msg in self._consumer.consume(num_messages=10_000, timeout=0.2):
-            if msg.error() is None:
-                yield json.loads(msg.value())
+            value = msg.value()
+            if msg.error() is None and value is not None:
+                yield json.loads(value)
 
     def close(self) -> None:
         self._consumer.close()

@@ -96,7 +96,9 @@ def _header(buf: bytes, kind: int) -> tuple[int, int]:
         raise MalformedRecord(Malformation.TRUNCATED, f"shorter than the {HEADER_BYTES}-byte header")
     version, got_kind, n, extra = _HEADER.unpack_from(buf)
     if version != VERSION:
-        raise MalformedRecord(Malformation.UNKNOWN_VERSION, f"unknown schema version {version} (this build reads {VERSION})")
+        raise MalformedRecord(
+            Malformation.UNKNOWN_VERSION, f"unknown schema version {version} (this build reads {VERSION})"
+        )
     if got_kind != kind:
         raise MalformedRecord(Malformation.WRONG_KIND, f"record kind {got_kind}, expected {kind}")
     return n, extra

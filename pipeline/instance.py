@@ -57,7 +57,6 @@ def spark_session(cfg: Config, app_name: str) -> Any:
         .config("spark.sql.streaming.minBatchesToRetain", "20")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.python.worker.reuse", "true")
-
         .getOrCreate()
     )
 

@@ -135,9 +135,7 @@ def _concat_results(chunks: list[Results], m: int) -> Results:
     )
 
 
-def join_step(
-    state: WindowState, new: list[Part], window_ms: int, allowed_lateness_ms: int
-) -> StepOutput:
+def join_step(state: WindowState, new: list[Part], window_ms: int, allowed_lateness_ms: int) -> StepOutput:
     """Process one micro-batch of one pid: reject late tuples, emit new results, insert, purge."""
     m = len(state.parts)
     wm = state.watermark
@@ -184,7 +182,11 @@ def window_to_bytes(state: WindowState) -> bytes:
     header = np.array([len(state.parts), state.watermark, *(len(p) for p in state.parts)], dtype="<i8")
     chunks = [header.tobytes()]
     for p in state.parts:
-        chunks += [p.ids.astype("<i8").tobytes(), p.keys.astype("<i8").tobytes(), p.ts.astype("<i8").tobytes()]
+        chunks += [
+            p.ids.astype("<i8").tobytes(),
+            p.keys.astype("<i8").tobytes(),
+            p.ts.astype("<i8").tobytes(),
+        ]
     return b"".join(chunks)
 
 

@@ -85,8 +85,13 @@ def make_join_function(
         if len(malformed):
             zeros = [0] * (streams - 1)
             yield _frame(
-                KIND_MALFORMED, pid, malformed["key"].to_numpy(), malformed["ts"].to_numpy(), 0,
-                [malformed["id"].to_numpy(), *zeros], len(malformed),
+                KIND_MALFORMED,
+                pid,
+                malformed["key"].to_numpy(),
+                malformed["ts"].to_numpy(),
+                0,
+                [malformed["id"].to_numpy(), *zeros],
+                len(malformed),
             )
         max_ts = out.state.watermark + allowed_lateness_ms if out.state.tuples else 0
         extra = [0] * (streams - 2)

@@ -11,8 +11,7 @@ in exactly one chunk, and its other parts within W of it, so each combination is
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,6 +21,7 @@ import pandas as pd
 from pipeline.codec import MalformedRecord, decode_results, decode_tuple_columns
 from pipeline.config import Config
 from pipeline.join import Part, Results, join_parts
+from pipeline.topics import read_topic
 
 CHUNK_TUPLES = 250_000
 
@@ -51,52 +51,6 @@ class VerifyReport:
             f"expected {self.expected:,}  produced {self.produced:,}  missing {self.missing:,}  "
             f"duplicate {self.duplicate:,}  spurious {self.spurious:,}  -> {verdict}"
         )
-
-
-def read_topic(bootstrap: str, topic: str, timeout_s: float = 120.0) -> Iterator[tuple[int, int, bytes]]:
-    """Every committed message of `topic` up to its current end: (partition, offset, value)."""
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
-
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": "fluxjoin-unused",
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-            "isolation.level": "read_committed",
-            "fetch.max.bytes": 64 * 1024 * 1024,
-        }
-    )
-    try:
-        meta = consumer.list_topics(topic, timeout=30).topics[topic]
-        if meta.error is not None:
-            raise RuntimeError(f"topic {topic}: {meta.error}")
-        ends: dict[int, int] = {}
-        assign = []
-        for p in sorted(meta.partitions):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-            if high > low:
-                ends[p] = high
-                assign.append(TopicPartition(topic, p, low))
-        consumer.assign(assign)
-        pending = set(ends)
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{topic}: could not read to the end within {timeout_s:.0f} s")
-            for msg in consumer.consume(num_messages=10_000, timeout=1.0):
-                err = msg.error()
-                if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        pending.discard(msg.partition())
-                        continue
-                    raise RuntimeError(f"reading {topic}: {err}")
-                if msg.offset() >= ends[msg.partition()] - 1:
-                    pending.discard(msg.partition())
-                if msg.offset() < ends[msg.partition()]:
-                    yield msg.partition(), msg.offset(), msg.value()
-    finally:
-        consumer.close()
 
 
 def read_stream(bootstrap: str, topic: str) -> tuple[Part, int]:
@@ -135,7 +89,7 @@ def expected_join(parts: list[Part], window_ms: int, chunk: int = CHUNK_TUPLES) 
     first, others = ordered[0], ordered[1:]
     found: list[Results] = []
     for lo in range(0, len(first), chunk):
-        head = Part(first.ids[lo:lo + chunk], first.keys[lo:lo + chunk], first.ts[lo:lo + chunk])
+        head = Part(first.ids[lo : lo + chunk], first.keys[lo : lo + chunk], first.ts[lo : lo + chunk])
         t_lo, t_hi = int(head.ts[0]) - window_ms, int(head.ts[-1]) + window_ms
         window_parts = [head]
         for p in others:

@@ -26,6 +26,7 @@ import pyarrow as pa
 from pipeline.codec import Malformation, encode_results
 from pipeline.config import Config
 from pipeline.operator import KIND_LATE, KIND_MALFORMED, KIND_RESULT, KIND_STATS
+from pipeline.topics import read_topic
 
 RESULTS_PER_MESSAGE = 8_000  # keeps each results message well under Kafka's 1 MB default
 
@@ -38,38 +39,12 @@ def read_logged_offsets(checkpoint: Path, batch_id: int) -> dict[str, Any]:
 
 def last_commit(cfg: Config, bootstrap: str, instance: str) -> dict[str, Any] | None:
     """The newest committed marker of `instance`, read from the start of the commits topic."""
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
-
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": "fluxjoin-unused",
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-            "isolation.level": "read_committed",
-        }
-    )
-    try:
-        tp = TopicPartition(cfg.sink_commits_topic, 0)
-        low, high = consumer.get_watermark_offsets(tp, timeout=30)
-        if high <= low:
-            return None
-        consumer.assign([TopicPartition(cfg.sink_commits_topic, 0, low)])
-        found: dict[str, Any] | None = None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            msg = consumer.poll(1.0)
-            if msg is None:
-                continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    return found
-                raise RuntimeError(f"reading {cfg.sink_commits_topic}: {msg.error()}")
-            if msg.key() == instance.encode():
-                found = json.loads(msg.value())
-        raise TimeoutError(f"could not read {cfg.sink_commits_topic} to its end within 60 s")
-    finally:
-        consumer.close()
+    found = None
+    for _, _, value in read_topic(bootstrap, cfg.sink_commits_topic):
+        marker = json.loads(value)
+        if marker["instance"] == instance:
+            found = marker
+    return found
 
 
 def _sample(values: np.ndarray, n: int) -> list[float]:
@@ -137,8 +112,15 @@ class ExactlyOnceSink:
         self.last_batch = batch_id
 
     def _metrics(
-        self, batch_id: int, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray,
-        started: float, results: int, late: int, malformed: int,
+        self,
+        batch_id: int,
+        offsets: dict[str, Any],
+        columns: dict[str, np.ndarray],
+        kind: np.ndarray,
+        started: float,
+        results: int,
+        late: int,
+        malformed: int,
     ) -> dict[str, Any]:
         """Per-batch metrics, written in the batch's transaction (latency measured just before commit)."""
         now = time.time()
@@ -166,8 +148,11 @@ class ExactlyOnceSink:
             "pids": {
                 str(p): {"in": int(n), "state_bytes": int(b), "window_tuples": int(w)}
                 for p, n, b, w in zip(
-                    columns["pid"][stats], columns["id0"][stats], columns["aux"][stats],
-                    columns["key"][stats], strict=True,
+                    columns["pid"][stats],
+                    columns["id0"][stats],
+                    columns["aux"][stats],
+                    columns["key"][stats],
+                    strict=True,
                 )
             },
             "lag": self._lag(offsets["offsets"]),
@@ -196,15 +181,21 @@ class ExactlyOnceSink:
                 stream = self.streams[int(columns["aux"][i])]
                 record = {
                     "reason": "late: event time older than the pid's watermark",
-                    "stream": stream, "pid": pid, "id": int(columns["id0"][i]),
-                    "key": int(columns["key"][i]), "event_time_ms": int(columns["ts"][i]),
+                    "stream": stream,
+                    "pid": pid,
+                    "id": int(columns["id0"][i]),
+                    "key": int(columns["key"][i]),
+                    "event_time_ms": int(columns["ts"][i]),
                 }
             else:
                 stream = self.streams[int(columns["key"][i])]
                 record = {
                     "reason": f"malformed: {Malformation(int(columns['ts'][i])).name.lower()}",
-                    "stream": stream, "pid": pid, "topic": self.cfg.input_topic(stream),
-                    "partition": pid, "offset": int(columns["id0"][i]),
+                    "stream": stream,
+                    "pid": pid,
+                    "topic": self.cfg.input_topic(stream),
+                    "partition": pid,
+                    "offset": int(columns["id0"][i]),
                 }
             self._produce(self.cfg.dead_letter_topic, None, json.dumps(record).encode())
         return int(mask.sum())
@@ -227,7 +218,8 @@ class ExactlyOnceSink:
 
         request = {
             TopicPartition(self.cfg.input_topic(s), int(p)): OffsetSpec.latest()
-            for s, by_pid in offsets.items() for p in by_pid
+            for s, by_pid in offsets.items()
+            for p in by_pid
         }
         if not request:
             return {}

@@ -180,8 +180,9 @@ class FluxjoinStreamReader(DataSourceStreamReader):
     def _enter_new_pids(self, offset: dict, owned: OwnedPids) -> dict:
         """Drop released pids; add acquired ones at their start offsets (earliest if none given)."""
         current: Offsets = offset["offsets"]
-        keep: Offsets = {s: {p: o for p, o in current.get(s, {}).items() if int(p) in owned.pids}
-                         for s in self.streams}
+        keep: Offsets = {
+            s: {p: o for p, o in current.get(s, {}).items() if int(p) in owned.pids} for s in self.streams
+        }
         new = sorted(p for p in owned.pids if str(p) not in keep[self.streams[0]])
         earliest = self._watermarks(new, "earliest") if new else {}
         for p in new:
@@ -258,14 +259,17 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                 raise TimeoutError(f"offsets not readable within {_READ_TIMEOUT_S:.0f} s, e.g. {late}")
             remaining = sum(by_tp[tp].end - next_offset[tp] for tp in pending)
             for msg in consumer.consume(num_messages=max(1, min(remaining, 10_000)), timeout=0.5):
-                tp = (msg.topic(), msg.partition())
+                topic, partition, off, value = msg.topic(), msg.partition(), msg.offset(), msg.value()
+                assert topic is not None and partition is not None
+                tp = (topic, partition)
                 err = msg.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
                         pending.discard(tp)  # only transaction markers were left before the end
                         continue
                     raise RuntimeError(f"reading {tp}: {err}")
-                off, r = msg.offset(), by_tp[tp]
+                assert off is not None and value is not None
+                r = by_tp[tp]
                 if tp not in pending or off >= r.end:
                     pending.discard(tp)
                     continue
@@ -273,7 +277,7 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                 if off + 1 >= r.end:
                     pending.discard(tp)
                 try:
-                    ids, keys, ts = decode_tuple_columns(msg.value())
+                    ids, keys, ts = decode_tuple_columns(value)
                     if len(keys) and (pids_of(keys, partitions) != r.pid).any():
                         raise MalformedRecord(Malformation.WRONG_PARTITION, "key of another pid")
                     cols[tp].append((ids, keys, ts))

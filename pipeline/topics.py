@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from pipeline.config import Config
@@ -139,3 +140,49 @@ def _await_visible(admin: AdminClient, bootstrap: str, specs: list[TopicSpec], t
             names = ", ".join(s.name for s in pending)
             raise TopicError(f"topics not visible in metadata after {timeout_s:g} s: {names}")
         time.sleep(0.1)
+
+
+def read_topic(bootstrap: str, topic: str, timeout_s: float = 120.0) -> Iterator[tuple[int, int, bytes]]:
+    """Every committed message of `topic` up to its current end: (partition, offset, value)."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "fluxjoin-unused",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed",
+            "fetch.max.bytes": 64 * 1024 * 1024,
+        }
+    )
+    try:
+        meta = consumer.list_topics(topic, timeout=30).topics[topic]
+        if meta.error is not None:
+            raise RuntimeError(f"topic {topic}: {meta.error}")
+        ends: dict[int, int] = {}
+        assign = []
+        for p in sorted(meta.partitions):
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            if high > low:
+                ends[p] = high
+                assign.append(TopicPartition(topic, p, low))
+        consumer.assign(assign)
+        pending = set(ends)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{topic}: could not read to the end within {timeout_s:.0f} s")
+            for msg in consumer.consume(num_messages=10_000, timeout=1.0):
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        pending.discard(msg.partition())
+                        continue
+                    raise RuntimeError(f"reading {topic}: {err}")
+                partition, offset, value = msg.partition(), msg.offset(), msg.value()
+                assert partition is not None and offset is not None and value is not None
+                if offset >= ends[partition] - 1:
+                    pending.discard(partition)
+                if offset < ends[partition]:
+                    yield partition, offset, value
+    finally:
+        consumer.close()

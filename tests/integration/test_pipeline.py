@@ -57,7 +57,10 @@ def test_two_instances_on_a_static_split_produce_exactly_the_oracle(
 
 def test_three_way_join_is_exact(kafka_bootstrap: str, topic_prefix: str, tmp_path: Path) -> None:
     cfg = small_config(
-        topic_prefix, "streams=[A, B, C]", "generator.max_tuples=30000", "generator.duration_s=null",
+        topic_prefix,
+        "streams=[A, B, C]",
+        "generator.max_tuples=30000",
+        "generator.duration_s=null",
         "generator.keys={kind: zipf, count: 2000, s: 0.8}",
     )
     run_generator(cfg, kafka_bootstrap)
@@ -72,11 +75,15 @@ def test_three_way_join_is_exact(kafka_bootstrap: str, topic_prefix: str, tmp_pa
     assert report.exact, report.describe()
 
 
-def test_kill_minus_nine_and_restart_stays_exact(kafka_bootstrap: str, topic_prefix: str, tmp_path: Path) -> None:
+def test_kill_minus_nine_and_restart_stays_exact(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
     """An instance killed mid-run resumes from its checkpoint; its sink skips or redoes batches so the
     results topic still holds each result once."""
     cfg = small_config(
-        topic_prefix, "generator.mode=real_time", "generator.duration_s=40",
+        topic_prefix,
+        "generator.mode=real_time",
+        "generator.duration_s=40",
         "generator.rate={kind: constant, rate: 1000}",
     )
     pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
@@ -85,7 +92,9 @@ def test_kill_minus_nine_and_restart_stays_exact(kafka_bootstrap: str, topic_pre
         pipeline.start_instance("instance-1", range(4, 8))
         pipeline.start_generator()
         deadline = time.monotonic() + 180
-        while not any(k[1] < 4 and v > 0 for k, v in committed_offsets(pipeline.cfg, kafka_bootstrap).items()):
+        while not any(
+            k[1] < 4 and v > 0 for k, v in committed_offsets(pipeline.cfg, kafka_bootstrap).items()
+        ):
             assert time.monotonic() < deadline, "instance-0 never committed a batch"
             assert not pipeline.failed(), pipeline.failed()
             time.sleep(1)

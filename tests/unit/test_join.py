@@ -61,15 +61,17 @@ def test_incremental_join_equals_brute_force_when_nothing_is_late(
     raw = [data.draw(stream_tuples) for _ in range(m)]
     streams = [[(i, k, t) for i, (k, t) in enumerate(s)] for s in raw]
     # Arbitrary (out-of-order) arrival, split into batches at arbitrary points.
-    cuts = [sorted(data.draw(st.lists(st.integers(0, len(s)), min_size=batches - 1, max_size=batches - 1)))
-            for s in streams]
+    cuts = [
+        sorted(data.draw(st.lists(st.integers(0, len(s)), min_size=batches - 1, max_size=batches - 1)))
+        for s in streams
+    ]
     state = WindowState.empty(m)
     produced: list[tuple[int, ...]] = []
     for b in range(batches):
         new = []
         for j, s in enumerate(streams):
             bounds = [0, *cuts[j], len(s)]
-            new.append(as_part(s[bounds[b]:bounds[b + 1]]))
+            new.append(as_part(s[bounds[b] : bounds[b + 1]]))
         # An allowed lateness that covers every possible disorder: nothing is late.
         out = join_step(state, new, window, allowed_lateness_ms=100)
         assert all(len(p) == 0 for p in out.late)

@@ -12,7 +12,9 @@ from tests.unit.test_join import as_part, brute_force, result_set
 
 @settings(max_examples=100, deadline=None)
 @given(
-    raw=st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 60)), max_size=30), min_size=2, max_size=3),
+    raw=st.lists(
+        st.lists(st.tuples(st.integers(0, 3), st.integers(0, 60)), max_size=30), min_size=2, max_size=3
+    ),
     window=st.integers(0, 15),
     chunk=st.integers(1, 10),
 )
