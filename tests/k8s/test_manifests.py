@@ -67,3 +67,14 @@ def test_plain_deployment_matches_the_charts_contract(k8s_bin: Path) -> None:
 def test_plain_crd_is_the_one_in_the_kustomization(k8s_bin: Path) -> None:
     crd = _one(_kustomize(k8s_bin), "CustomResourceDefinition")
     assert crd == yaml.safe_load(CHART_CRD.read_text())
+
+
+def test_helm_lint_is_clean(k8s_bin: Path) -> None:
+    """`helm lint --strict` (warnings fail too) with the defaults and with every optional part switched on."""
+    chart = REPO / "charts" / "fluxjoin"
+    for extra in ([], ["--set", "pipeline.create=true,kafka.trial.enabled=true,generator.enabled=true"]):
+        out = subprocess.run(
+            [str(k8s_bin / "helm"), "lint", "--strict", str(chart), *extra], capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout

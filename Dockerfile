@@ -1,0 +1,40 @@
+# One image for every fluxjoin role: generator, join instance (Spark in local mode inside the pod) and
+# the operator. `make image` builds it as fluxjoin:dev; the Helm chart runs it with different arguments.
+#
+# Two stages: the builder has pip and builds the wheels (PySpark ships as a source archive only); the
+# final stage holds the JRE, Python and the virtualenv, runs as a non-root user and has no build tools.
+
+FROM debian:bookworm-slim AS build
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        python3 python3-venv python3-pip ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/fluxjoin
+# Dependencies first, so a code change does not rebuild the PySpark wheel.
+COPY pyproject.toml /src/pyproject.toml
+RUN cd /src && mkdir pipeline generator controller && touch README.md \
+    && /opt/fluxjoin/bin/pip install --no-cache-dir . \
+    && /opt/fluxjoin/bin/pip uninstall -y fluxjoin
+COPY README.md /src/README.md
+COPY pipeline /src/pipeline
+COPY generator /src/generator
+COPY controller /src/controller
+RUN /opt/fluxjoin/bin/pip install --no-cache-dir --no-deps /src
+
+FROM debian:bookworm-slim
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        python3 openjdk-17-jre-headless procps tini \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --system --uid 10001 --home-dir /var/lib/fluxjoin --create-home fluxjoin
+COPY --from=build /opt/fluxjoin /opt/fluxjoin
+ENV PATH=/opt/fluxjoin/bin:$PATH \
+    PYSPARK_PYTHON=/opt/fluxjoin/bin/python \
+    PYSPARK_DRIVER_PYTHON=/opt/fluxjoin/bin/python \
+    # The JVM sizes its heap from the container's memory limit, not the node's.
+    JAVA_TOOL_OPTIONS="-XX:+UseContainerSupport -XX:MaxRAMPercentage=60 -XX:+ExitOnOutOfMemoryError" \
+    PYTHONUNBUFFERED=1
+USER 10001
+WORKDIR /var/lib/fluxjoin
+ENTRYPOINT ["/usr/bin/tini", "--", "fluxjoin"]
+CMD ["--help"]
