@@ -18,17 +18,10 @@ from enum import Enum
 from types import MappingProxyType
 
 from pipeline.partitioning import contiguous_ranges
+from pipeline.protocol import Mode
 
-
-class HandoffMode(Enum):
-    """How a moved pid's window reaches its new owner (design.md section 4, "Handoff modes")."""
-
-    TRANSFER = "transfer"
-    """Offset barrier, export the pid's state, import it on the target (Flux, MSLB)."""
-    PARALLEL_TRACK = "parallel_track"
-    """Target starts at the cutoff; source keeps the pid until its old tuples expire (PTLB)."""
-    REPLAY = "replay"
-    """Target rebuilds the window from the log, then an offset-barrier cutover; nothing is shipped."""
+HandoffMode = Mode
+"""How a moved pid's window reaches its new owner (the protocol's `Mode`)."""
 
 
 class AssignmentError(Enum):

@@ -8,12 +8,16 @@ Every subcommand takes the same `--config FILE`, repeated `--set key.path=value`
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
 
+from controller.assignment import HandoffMode
 from pipeline.config import Config, ConfigError, load_config
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.split("\n")[0])
@@ -111,7 +115,10 @@ def generate(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: Bootstrap
 @app.command()
 def instance(
     name: Annotated[str, typer.Option(help="Instance id, e.g. instance-0.")],
-    pids: Annotated[str, typer.Option(help="Owned pids: ranges and lists, e.g. 0-20,40.")],
+    pids: Annotated[
+        str | None,
+        typer.Option(help="Static pids (ranges and lists, e.g. 0-20,40) when no controller assigns them."),
+    ] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     bootstrap: BootstrapOpt = None,
@@ -121,7 +128,7 @@ def instance(
 
     cfg = _config(config, set_, bootstrap)
     try:
-        owned = parse_pids(pids, cfg.partitions)
+        owned = parse_pids(pids, cfg.partitions) if pids is not None else None
     except ValueError as exc:
         fail(str(exc))
     try:
@@ -153,13 +160,17 @@ def demo(
     bootstrap: BootstrapOpt = None,
     json_: JsonOpt = False,
     duration: Annotated[float, typer.Option(help="Seconds of input to generate.")] = 150.0,
+    policy: Annotated[str, typer.Option(help="Controller policy: flux, static or memory.")] = "flux",
 ) -> None:
-    """Embedded Kafka, generator, N instances, live view, verification and a report."""
+    """Embedded Kafka, generator, controller, N instances, live view, verification and a report."""
     from controller.demo import DEMO_DEFAULTS, run_demo
+    from controller.policies import POLICIES
 
+    if policy not in POLICIES:
+        fail(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     cfg = _config(config, [*DEMO_DEFAULTS, *(set_ or [])], bootstrap)
     try:
-        summary = run_demo(cfg, duration_s=duration, json_output=json_)
+        summary = run_demo(cfg, duration_s=duration, json_output=json_, policy=policy)
     except _user_errors() as exc:
         fail(str(exc))
     if json_:
@@ -167,17 +178,280 @@ def demo(
     raise typer.Exit(0 if summary.get("exact") else 1)
 
 
+ModeOpt = Annotated[str, typer.Option("--mode", help="Handoff mode: transfer or replay.")]
+
+
+def _mode(value: str) -> HandoffMode:
+    try:
+        return HandoffMode(value.replace("-", "_"))
+    except ValueError:
+        fail(f"unknown handoff mode {value!r}; choose from {', '.join(m.value for m in HandoffMode)}")
+
+
+@app.command()
+def controller(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bootstrap: BootstrapOpt = None,
+    policy: Annotated[str, typer.Option(help="static, flux or memory.")] = "flux",
+    mode: ModeOpt = "transfer",
+    heartbeat_timeout: Annotated[float, typer.Option(help="Seconds without a heartbeat = dead.")] = 10.0,
+    dry_run: Annotated[bool, typer.Option(help="Print decisions, move nothing.")] = False,
+) -> None:
+    """Run the controller: policy rounds, pid moves, recovery of dead instances."""
+    from controller.policies import POLICIES
+    from controller.runner import run_controller
+
+    cfg = _config(config, set_, bootstrap)
+    if policy not in POLICIES:
+        fail(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    stopping = _stop_on_signals()
+    try:
+        run_controller(cfg, _bootstrap(cfg), policy, _mode(mode), heartbeat_timeout, dry_run, stopping.is_set)
+    except _user_errors() as exc:
+        fail(str(exc))
+
+
+def _stop_on_signals() -> threading.Event:
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    return stopping
+
+
+@app.command()
+def move(
+    pids: Annotated[str, typer.Option(help="Pids to move, e.g. 3,7 or 0-3.")],
+    to: Annotated[str, typer.Option("--to", help="Target instance, e.g. instance-2.")],
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bootstrap: BootstrapOpt = None,
+    mode: ModeOpt = "transfer",
+    wait: Annotated[float, typer.Option(help="Seconds to wait for completion (0: do not wait).")] = 120.0,
+) -> None:
+    """Ask the running controller to move pids to an instance, and wait until they are moved."""
+    from controller.moves import request_moves
+    from pipeline.control import ControlLog
+    from pipeline.instance import parse_pids
+
+    cfg = _config(config, set_, bootstrap)
+    try:
+        wanted = sorted(parse_pids(pids, cfg.partitions))
+    except ValueError as exc:
+        fail(str(exc))
+    address = _bootstrap(cfg)
+    request = request_moves(cfg, address, wanted, to, _mode(mode))
+    print(f"requested {request.request_id}: pids {pids} -> {to} ({request.mode.value})")
+    if wait <= 0:
+        return
+    log = ControlLog(address, cfg.control_topic)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        view = log.catch_up()
+        done = [p for p in wanted if request.move_id(p) in view.acquired]
+        if len(done) == len(wanted):
+            print(f"done: pids {pids} are processed by {to}")
+            return
+        time.sleep(0.5)
+    fail(f"not done after {wait:g} s (is `fluxjoin controller` running, and {to} alive?)", code=1)
+
+
+@app.command()
+def status(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOpt = None) -> None:
+    """The assignment of record, moves in flight and per-instance load."""
+    from controller.status import describe_status
+
+    cfg = _config(config, set_, bootstrap)
+    try:
+        print(describe_status(cfg, _bootstrap(cfg)))
+    except _user_errors() as exc:
+        fail(str(exc))
+
+
+@app.command("operator")
+def operator_command(
+    namespace: Annotated[
+        str | None,
+        typer.Option(envvar="FLUXJOIN_NAMESPACE", help="Namespace to reconcile (default: the pod's own)."),
+    ] = None,
+    lease_name: Annotated[
+        str, typer.Option(envvar="FLUXJOIN_LEASE_NAME", help="Lease for leader election.")
+    ] = "fluxjoin-operator",
+    leader_election: Annotated[
+        bool, typer.Option(envvar="FLUXJOIN_LEADER_ELECTION", help="Reconcile only while holding the Lease.")
+    ] = True,
+    identity: Annotated[
+        str | None,
+        typer.Option(envvar="FLUXJOIN_POD_NAME", help="Holder name in the Lease (default: the host name)."),
+    ] = None,
+    kubeconfig: Annotated[
+        Path | None, typer.Option(help="Kubeconfig file (default: the in-cluster service account).")
+    ] = None,
+    instance_image: Annotated[
+        str | None,
+        typer.Option(envvar="FLUXJOIN_INSTANCE_IMAGE", help="Image of instances whose spec names none."),
+    ] = None,
+    image_pull_policy: Annotated[
+        str, typer.Option(envvar="FLUXJOIN_IMAGE_PULL_POLICY", help="Pull policy of instance pods.")
+    ] = "IfNotPresent",
+    image_pull_secrets: Annotated[
+        str, typer.Option(envvar="FLUXJOIN_IMAGE_PULL_SECRETS", help="Pull secrets of instance pods, a,b.")
+    ] = "",
+    metrics_port: Annotated[
+        int, typer.Option(envvar="FLUXJOIN_METRICS_PORT", help="Port of /metrics and /healthz.")
+    ] = 9108,
+    scrape_annotations: Annotated[
+        bool, typer.Option(envvar="FLUXJOIN_SCRAPE_ANNOTATIONS", help="prometheus.io/* on instance pods.")
+    ] = True,
+    log_level: Annotated[
+        str, typer.Option(envvar="FLUXJOIN_LOG_LEVEL", help="debug, info, warning or error.")
+    ] = "info",
+) -> None:
+    """Reconcile JoinPipelines in one namespace: the Kubernetes operator the Helm chart runs."""
+    import logging
+    import socket
+
+    from controller.operator import (
+        OperatorConfigError,
+        OperatorOptions,
+        default_namespace,
+        run_operator,
+    )
+    from controller.workload import InstanceSettings
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = OperatorOptions(
+        namespace=namespace or default_namespace(),
+        identity=identity or socket.gethostname(),
+        leader_election=leader_election,
+        lease_name=lease_name,
+        kubeconfig=kubeconfig,
+        metrics_port=metrics_port,
+        instance=InstanceSettings(
+            image=instance_image,
+            pull_policy=image_pull_policy,
+            pull_secrets=tuple(s for s in image_pull_secrets.split(",") if s),
+            metrics_port=metrics_port,
+            scrape_annotations=scrape_annotations,
+        ),
+    )
+    try:
+        run_operator(options)
+    except OperatorConfigError as exc:
+        fail(str(exc))
+
+
 @bench_app.command("throughput")
 def bench_throughput(
-    config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOpt = None, json_: JsonOpt = False
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bootstrap: BootstrapOpt = None,
+    json_: JsonOpt = False,
+    tuples: Annotated[int, typer.Option(help="Tuples pre-loaded for the catch-up run.")] = 2_000_000,
+    repeats: Annotated[int, typer.Option(help="Catch-up runs of each engine (medians reported).")] = 1,
+    latency_rate: Annotated[float, typer.Option(help="Tuples/s in total for the latency run.")] = 20_000,
+    latency_seconds: Annotated[float, typer.Option(help="Seconds of input for the latency run.")] = 60,
 ) -> None:
     """Catch-up rate of one instance vs Spark's built-in join, and result latency at 20K tuples/s."""
     from controller.bench import run_throughput_bench
 
     cfg = _config(config, set_, bootstrap)
-    summary = run_throughput_bench(cfg, json_output=json_)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
+    try:
+        summary = run_throughput_bench(cfg, tuples, repeats, latency_rate, latency_seconds, say=say)
+    except _user_errors() as exc:
+        fail(str(exc))
     if json_:
-        print(json.dumps(summary))
+        print(json.dumps({k: v for k, v in summary.items() if k != "runs"}))
+    else:
+        for key in (
+            "tuples_per_s",
+            "builtin_tuples_per_s",
+            "ratio",
+            "latency_p50_s",
+            "latency_p99_s",
+            "exact",
+        ):
+            print(f"{key:>22}: {summary[key]}")
+
+
+@bench_app.command("skew")
+def bench_skew(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bootstrap: BootstrapOpt = None,
+    json_: JsonOpt = False,
+    rates: Annotated[
+        str, typer.Option(help="Input rates to try, tuples/s in total.")
+    ] = "2000,4000,8000,16000",
+    seconds: Annotated[float, typer.Option(help="Seconds of input per point.")] = 90,
+    instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
+    cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.45,
+) -> None:
+    """Sustainable input rate and latency of the static and flux policies under moving skew."""
+    from controller.bench import run_skew_bench
+    from controller.cpu_budget import CpuBudgetError
+
+    cfg = _config(config, set_, bootstrap)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
+    try:
+        wanted = [float(r) for r in rates.split(",")]
+    except ValueError as exc:
+        fail(f"--rates: {exc}")
+    errors: tuple[type[Exception], ...] = (CpuBudgetError, *_user_errors())
+    try:
+        summary = run_skew_bench(cfg, wanted, seconds, instances, cpu, say)
+    except errors as exc:
+        fail(str(exc))
+    compact = {p: {k: v for k, v in s.items() if k != "points"} for p, s in summary.items()}
+    print(json.dumps(compact) if json_ else json.dumps(summary, indent=2))
+
+
+@bench_app.command("soak")
+def bench_soak(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bootstrap: BootstrapOpt = None,
+    json_: JsonOpt = False,
+    moves: Annotated[int, typer.Option(help="Random moves to make.")] = 100,
+    seed: Annotated[int, typer.Option(help="Seed of the random choices.")] = 7,
+) -> None:
+    """Random moves (both modes) and kill -9s of the controller and of instances, then the oracle."""
+    import uuid
+
+    from controller import kafka_runtime
+    from controller.soak import SoakPlan, run_soak, soak_config
+
+    cfg = _config(config, set_, bootstrap)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
+    name = f"soak-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    soak_cfg = soak_config(cfg, name, seconds=max(120.0, 5.0 * moves))
+    started_broker = not cfg.bootstrap
+    address = cfg.bootstrap or kafka_runtime.start()
+    try:
+        work = Path(cfg.instance.work_dir).resolve() / name
+        report, done = run_soak(soak_cfg, address, work, SoakPlan(moves=moves, seed=seed), say)
+    except _user_errors() as exc:
+        fail(str(exc))
+    finally:
+        if started_broker:
+            kafka_runtime.stop()
+    summary = {**done, **report.as_dict(), "seed": seed, "pipeline": name}
+    print(json.dumps(summary) if json_ else report.describe())
+    raise typer.Exit(0 if report.exact else 1)
+
+
+@bench_app.command("generator")
+def bench_generator(
+    bootstrap: BootstrapOpt = None,
+    tuples: Annotated[int, typer.Option(help="Tuples per run.")] = 2_000_000,
+    runs: Annotated[int, typer.Option(help="Runs per message size (median reported).")] = 3,
+) -> None:
+    """The generator's max-rate throughput on one core, for several tuples-per-message sizes."""
+    from generator.bench import run_generator_bench
+
+    cfg = _config(None, None, bootstrap)
+    print(json.dumps(run_generator_bench(_bootstrap(cfg), tuples=tuples, runs=runs), indent=2))
 
 
 def main() -> None:

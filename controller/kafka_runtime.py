@@ -217,6 +217,9 @@ def server_properties(port: int, controller_port: int, data_dir: Path) -> str:
         "offsets.topic.replication.factor": "1",
         "transaction.state.log.replication.factor": "1",
         "transaction.state.log.min.isr": "1",
+        # One broker: 4 partitions instead of 50 make the first transaction start in seconds, not tens.
+        "transaction.state.log.num.partitions": "4",
+        "offsets.topic.num.partitions": "4",
         "share.coordinator.state.topic.replication.factor": "1",
         "share.coordinator.state.topic.min.isr": "1",
         "group.initial.rebalance.delay.ms": "0",

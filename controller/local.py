@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import yaml
 
 from pipeline.config import Config
@@ -40,26 +41,35 @@ class LocalPipeline:
     logs: dict[str, IO[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from pipeline.topics import ensure_topics
+
+        ensure_topics(self.cfg, self.bootstrap)  # before any process starts: none races another for them
         self.work.mkdir(parents=True, exist_ok=True)
         self.cfg = self.cfg.with_overrides(bootstrap=self.bootstrap, **{"instance.work_dir": str(self.work)})
         self.config_path = self.work / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str], cpu_limit: float | None = None) -> subprocess.Popen[bytes]:
+        from controller.cpu_budget import budget_hook
+
         log = open(self.work / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         env = os.environ | {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+        hook = budget_hook(f"{self.cfg.pipeline}-{name}", cpu_limit) if cpu_limit else None
         proc = subprocess.Popen(
             [sys.executable, "-m", "controller", *args, "--config", str(self.config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,  # Ctrl-C goes to the supervisor, which stops children in order
+            preexec_fn=hook,
         )
         self.procs[name], self.logs[name] = proc, log
         return proc
 
-    def start_instance(self, name: str, pids: range | list[int]) -> None:
-        self._spawn(name, ["instance", "--name", name, "--pids", pid_spec(pids)])
+    def start_instance(self, name: str, pids: range | list[int] | None = None) -> None:
+        """Start `name` on static `pids`, or (None) on what the controller assigns it."""
+        static = ["--pids", pid_spec(pids)] if pids is not None else []
+        self._spawn(name, ["instance", "--name", name, *static], self.cfg.instance.cpu_limit)
 
     def start_instances(self, count: int) -> list[str]:
         names = []
@@ -72,11 +82,21 @@ class LocalPipeline:
     def start_generator(self) -> None:
         self._spawn("generator", ["generate"])
 
+    def start_controller(
+        self, policy: str = "flux", mode: str = "transfer", heartbeat_timeout_s: float = 10
+    ) -> None:
+        args = ["--policy", policy, "--mode", mode, "--heartbeat-timeout", str(heartbeat_timeout_s)]
+        self._spawn("controller", ["controller", *args])
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs.get(name)
+        """Signal the process group of `name` and forget it (a deliberate kill is no failure)."""
+        proc = self.procs.pop(name, None)
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, sig)
             proc.wait(30)
+        log = self.logs.pop(name, None)
+        if log is not None:
+            log.close()
 
     def failed(self) -> dict[str, int]:
         """Processes that exited with an error (the generator exiting 0 is normal)."""
@@ -87,11 +107,12 @@ class LocalPipeline:
         return "\n".join(text[-lines:])
 
     def stop(self) -> None:
-        """SIGTERM everything (instances finish their batch), then SIGKILL stragglers."""
+        """SIGTERM each process (not its group: an instance stops its query, then its JVM), then SIGKILL
+        the groups of stragglers."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
+                    os.kill(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
         for proc in self.procs.values():
             try:
@@ -157,6 +178,26 @@ def wait_drained(pipeline: LocalPipeline, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{left} input messages still unprocessed after {timeout_s:.0f} s")
         time.sleep(1.0)
+
+
+def weighted_percentiles(records: list[dict[str, Any]], qs: tuple[float, ...]) -> tuple[float, ...]:
+    """Run-wide result-latency percentiles from per-batch metrics records (NaN when there are none).
+
+    Each record carries an evenly spaced sample of its batch's sorted latencies; a sample value stands
+    for `results / len(sample)` results, so a batch with many results weighs more than one with few.
+    """
+    values: list[float] = []
+    weights: list[float] = []
+    for r in records:
+        sample = r.get("latency_sample") or []
+        values.extend(sample)
+        weights.extend([r["results"] / len(sample)] * len(sample))
+    if not values:
+        return tuple(float("nan") for _ in qs)
+    order = np.argsort(values)
+    v, w = np.asarray(values)[order], np.asarray(weights)[order]
+    position = (np.cumsum(w) - w / 2) / w.sum()
+    return tuple(round(float(np.interp(q / 100, position, v)), 3) for q in qs)
 
 
 class MetricsFollower:

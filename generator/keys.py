@@ -19,9 +19,10 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.config import EightyTwentyKeys, HotSetKeys, UniformKeys, ZipfKeys
+from pipeline.config import EightyTwentyKeys, HotPidsKeys, HotSetKeys, UniformKeys, ZipfKeys
+from pipeline.partitioning import pids_of
 
-KeyDistribution = UniformKeys | ZipfKeys | EightyTwentyKeys | HotSetKeys
+KeyDistribution = UniformKeys | ZipfKeys | EightyTwentyKeys | HotSetKeys | HotPidsKeys
 I64 = npt.NDArray[np.int64]
 
 # spawn_key purposes under a pipeline seed: structure is shared by all streams, draws are per stream.
@@ -42,7 +43,7 @@ def stream_rng(seed: int, stream: int, purpose: int) -> np.random.Generator:
 class KeySampler:
     """Draws keys in [0, count) for one stream; see the module docstring for what is shared."""
 
-    def __init__(self, dist: KeyDistribution, seed: int, stream: int = 0) -> None:
+    def __init__(self, dist: KeyDistribution, seed: int, stream: int = 0, partitions: int = 64) -> None:
         self.dist = dist
         self.count = dist.count
         self._rng = stream_rng(seed, stream, _DRAWS)
@@ -52,7 +53,13 @@ class KeySampler:
         self._hot_n = 0
         self._offset0 = 0
         self._step = 0
+        self._keys_by_pid: I64 = np.empty(0, dtype=np.int64)
+        self._pid_sizes: I64 = np.empty(0, dtype=np.int64)
+        self._pid_starts: I64 = np.empty(0, dtype=np.int64)
         if isinstance(dist, UniformKeys):
+            return
+        if isinstance(dist, HotPidsKeys):
+            self._init_hot_pids(dist, structure, partitions)
             return
         self._perm = structure.permutation(self.count).astype(np.int64)
         if isinstance(dist, ZipfKeys):
@@ -73,6 +80,45 @@ class KeySampler:
             else:
                 self._step = max(1, self.count // 2)
 
+    def _init_hot_pids(self, dist: HotPidsKeys, structure: np.random.Generator, partitions: int) -> None:
+        """Keys grouped by pid, and the pids in a seeded order: epoch e's hot set is the next hot_n of
+        that order, round the circle, so consecutive hot sets are disjoint when P allows it."""
+        all_keys = np.arange(self.count, dtype=np.int64)
+        pids = pids_of(all_keys, partitions)
+        order = np.argsort(pids, kind="stable")
+        self._keys_by_pid = all_keys[order]
+        sizes = np.bincount(pids, minlength=partitions)
+        if (sizes == 0).any():
+            raise ValueError(
+                f"hot_pids needs keys in every pid: count {self.count} is too small for P={partitions}"
+            )
+        self._pid_sizes = sizes.astype(np.int64)
+        self._pid_starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        self._perm = structure.permutation(partitions).astype(np.int64)
+        self._hot_n = min(max(1, round(dist.hot_fraction * partitions)), partitions - 1)
+
+    def _sample_hot_pids(self, u: npt.NDArray[np.float64], t_s: npt.NDArray[np.float64]) -> I64:
+        """One uniform per tuple picks hot or cold, the pid within that set and the key within the pid."""
+        assert isinstance(self.dist, HotPidsKeys)
+        share, p, hot_n = self.dist.hot_share, len(self._perm), self._hot_n
+        hot = u < share
+        with np.errstate(divide="ignore", invalid="ignore"):
+            x = np.where(hot, u / share * hot_n, (u - share) / (1 - share) * (p - hot_n))
+        slot = np.minimum(x.astype(np.int64), np.where(hot, hot_n - 1, p - hot_n - 1))
+        frac = np.clip(x - slot, 0.0, np.nextafter(1.0, 0.0))
+        position = np.where(hot, slot, hot_n + slot)
+        epochs = np.floor(np.maximum(t_s, 0.0) / self.dist.move_every_s).astype(np.int64)
+        pid = self._perm[(position + epochs * hot_n) % p]
+        index = self._pid_starts[pid] + (frac * self._pid_sizes[pid]).astype(np.int64)
+        return self._keys_by_pid[index]
+
+    def hot_pids(self, t_s: float) -> I64:
+        """The pids hot at `t_s` (hot_pids only)."""
+        epoch = (
+            int(np.floor(max(t_s, 0.0) / self.dist.move_every_s)) if isinstance(self.dist, HotPidsKeys) else 0
+        )
+        return np.sort(self._perm[(np.arange(self._hot_n) + epoch * self._hot_n) % len(self._perm)])
+
     def sample(self, n: int, t_s: float | npt.NDArray[np.float64] = 0.0) -> I64:
         """`n` keys; `t_s` (seconds since start, a scalar or one time per key) matters for hot_set only."""
         u = self._rng.random(n)
@@ -84,6 +130,8 @@ class KeySampler:
             return self._perm[ranks]
         if isinstance(dist, EightyTwentyKeys):
             return self._perm[self._split(u, 0.8, self._hot_n)]
+        if isinstance(dist, HotPidsKeys):
+            return self._sample_hot_pids(u, np.broadcast_to(np.asarray(t_s, dtype=np.float64), (n,)))
         offsets = self._offsets(np.broadcast_to(np.asarray(t_s, dtype=np.float64), (n,)))
         return self._perm[(self._split(u, dist.hot_share, self._hot_n) + offsets) % self.count]
 

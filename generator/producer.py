@@ -128,7 +128,7 @@ class TupleSource:
             ArrivalProcess(cfg.rate_for(s), stream_rng(g.seed, i, _ARRIVALS))
             for i, s in enumerate(cfg.streams)
         ]
-        self._keys = [KeySampler(g.keys, g.seed, i) for i in range(len(cfg.streams))]
+        self._keys = [KeySampler(g.keys, g.seed, i, cfg.partitions) for i in range(len(cfg.streams))]
         self._salts = [payload_salt(g.seed, i) for i in range(len(cfg.streams))]
         self.produced = [0] * len(cfg.streams)
         self.end_s = 0.0  # event time up to which slices have been handed out
@@ -186,9 +186,11 @@ class TupleSource:
 
 def encode_slice(
     sl: StreamSlice, start_ms: int, partitions: int, tuples_per_message: int
-) -> Iterator[tuple[int, bytes]]:
-    """(pid, message value) pairs for one stream slice: grouped by pid, arrival order kept in a pid.
+) -> Iterator[tuple[int, bytes, int]]:
+    """(pid, message value, first event time) for one stream slice: grouped by pid, arrival order kept.
 
+    The first (smallest) event time becomes the Kafka message timestamp, so a pid's input can be found
+    by event time (`offsets_for_times`), which the `replay` handoff relies on in both generator modes.
     Vectorized grouping (one stable sort by pid), then per-message work only.
     """
     pids = pids_of(sl.keys, partitions)
@@ -205,7 +207,8 @@ def encode_slice(
         hi = bounds[pid + 1]
         for lo in range(bounds[pid], hi, per_message):
             up = min(lo + per_message, hi)
-            yield pid, encode_tuples(ids[lo:up], keys[lo:up], event_times[lo:up], payload[lo:up])
+            value = encode_tuples(ids[lo:up], keys[lo:up], event_times[lo:up], payload[lo:up])
+            yield pid, value, int(event_times[lo])
 
 
 def max_tuples_per_message(tuples_per_message: int, payload_bytes: int) -> int:
@@ -233,13 +236,13 @@ class _Sender:
             if self.first_error is None:
                 self.first_error = err
 
-    def send(self, topic: str, pid: int, value: bytes) -> None:
+    def send(self, topic: str, pid: int, value: bytes, timestamp_ms: int) -> None:
         key = self._keys.get(pid)
         if key is None:
             key = self._keys[pid] = str(pid).encode()
         while True:
             try:
-                self.producer.produce(topic, value, key, partition=pid)
+                self.producer.produce(topic, value, key, partition=pid, timestamp=timestamp_ms)
                 break
             except BufferError:
                 # librdkafka's queue is full: serve delivery reports to make room, then retry.
@@ -318,8 +321,8 @@ def run_generator(
         nonlocal tuples
         for sl in slices:
             topic = topics[sl.stream]
-            for pid, value in encode_slice(sl, start_ms, cfg.partitions, g.tuples_per_message):
-                sender.send(topic, pid, value)
+            for pid, value, first_ms in encode_slice(sl, start_ms, cfg.partitions, g.tuples_per_message):
+                sender.send(topic, pid, value, first_ms)
             tuples += len(sl)
         sender.producer.poll(0)
         display.update(tuples, time.monotonic() - started)

@@ -100,8 +100,20 @@ class HotSetKeys(_Strict):
     move_every_s: float = Field(30.0, gt=0)
 
 
+class HotPidsKeys(_Strict):
+    """`hot_share` of tuples fall on a hot set of `hot_fraction` of the pids, keys uniform within a pid:
+    the Flux paper's 80/20 skew over partitions, which key-level skew over many keys does not give (hot
+    keys spread evenly over pids). The hot pids change every `move_every_s` seconds."""
+
+    kind: Literal["hot_pids"] = "hot_pids"
+    count: int = Field(100_000, ge=1)
+    hot_fraction: float = Field(0.2, gt=0, lt=1)
+    hot_share: float = Field(0.8, ge=0, le=1)
+    move_every_s: float = Field(30.0, gt=0)
+
+
 KeyDistribution = Annotated[
-    UniformKeys | ZipfKeys | EightyTwentyKeys | HotSetKeys, Field(discriminator="kind")
+    UniformKeys | ZipfKeys | EightyTwentyKeys | HotSetKeys | HotPidsKeys, Field(discriminator="kind")
 ]
 
 
@@ -128,6 +140,8 @@ class InstanceConfig(_Strict):
     spark_master: str = "local[2]"
     driver_memory: str = "1g"
     work_dir: str = ".fluxjoin"
+    # CPU cores each local instance process may use (a cgroup quota, like a pod's CPU limit); None: no limit.
+    cpu_limit: float | None = Field(None, gt=0)
 
 
 class Config(_Strict):
@@ -151,6 +165,10 @@ class Config(_Strict):
         unknown = set(self.generator.stream_rates) - set(self.streams)
         if unknown:
             raise ValueError(f"generator.stream_rates names unknown streams: {sorted(unknown)}")
+        if self.generator.keys.kind == "hot_pids" and self.generator.keys.count < 8 * self.partitions:
+            raise ValueError(
+                f"generator.keys.count must be >= 8 x partitions ({8 * self.partitions}) for hot_pids"
+            )
         if self.partitions < self.instances:
             raise ValueError(f"partitions ({self.partitions}) must be >= instances ({self.instances})")
         return self
@@ -179,6 +197,10 @@ class Config(_Strict):
     @property
     def metrics_topic(self) -> str:
         return f"{self.pipeline}.metrics"
+
+    @property
+    def handoff_topic(self) -> str:
+        return f"{self.pipeline}.handoff"
 
     @property
     def control_topic(self) -> str:

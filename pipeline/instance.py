@@ -2,16 +2,23 @@
 
 source (assigned pids from Kafka) -> groupBy(pid).applyInPandasWithState(join) -> exactly-once sink.
 The instance's durable state is its work directory: the Spark checkpoint (offset log, commit log,
-state store) and the assignment file the source reads at every batch boundary. Restarting with the
-same name and work directory resumes exactly where the last committed batch ended.
+state store), its incarnation id and the assignment file the source reads at every batch boundary.
+Restarting with the same name and work directory resumes exactly where the last committed batch ended,
+unless the controller declared the instance dead meanwhile (its pids were recovered elsewhere): then
+the work directory is wiped and the instance rejoins empty, under a new incarnation.
+
+Pids come from the control topic (`<pipeline>.control`) once a controller has published an assignment;
+`--pids` gives a static assignment for pipelines run without a controller.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +38,6 @@ def parse_pids(spec: str, partitions: int) -> frozenset[int]:
         if first > last or first < 0 or last >= partitions:
             raise ValueError(f"pid range {item!r} is outside 0-{partitions - 1}")
         pids.update(range(first, last + 1))
-    if not pids:
-        raise ValueError("an instance must own at least one pid")
     return frozenset(pids)
 
 
@@ -40,14 +45,17 @@ def instance_dir(cfg: Config, name: str) -> Path:
     return Path(cfg.instance.work_dir) / cfg.pipeline / name
 
 
-def spark_session(cfg: Config, app_name: str) -> Any:
+def spark_session(cfg: Config, app_name: str, extra_conf: dict[str, str] | None = None) -> Any:
     """A local Spark session tuned for one instance: small shuffles, Arrow, no UI."""
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = SparkSession.builder
+    for key, value in (extra_conf or {}).items():
+        builder = builder.config(key, value)
     return (
-        SparkSession.builder.master(cfg.instance.spark_master)
+        builder.master(cfg.instance.spark_master)
         .appName(app_name)
         .config("spark.driver.memory", cfg.instance.driver_memory)
         .config("spark.ui.enabled", "false")
@@ -61,7 +69,7 @@ def spark_session(cfg: Config, app_name: str) -> Any:
     )
 
 
-def start_query(spark: Any, cfg: Config, bootstrap: str, name: str) -> Any:
+def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation: str) -> Any:
     """Build and start the instance's streaming query; the assignment file must exist."""
     from pipeline.operator import STATE_SCHEMA, make_join_function, output_schema
     from pipeline.sink import ExactlyOnceSink
@@ -80,6 +88,8 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str) -> Any:
         .option("partitions", str(cfg.partitions))
         .option("max_messages", str(max_messages))
         .option("tasks", "2")
+        .option("window_ms", str(cfg.window_ms))
+        .option("lateness_ms", str(cfg.allowed_lateness_ms))
         .load()
     )
     joined = rows.groupBy("pid").applyInPandasWithState(
@@ -89,7 +99,7 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str) -> Any:
         outputMode="append",
         timeoutConf="NoTimeout",
     )
-    sink = ExactlyOnceSink(cfg, bootstrap, name, checkpoint.resolve())
+    sink = ExactlyOnceSink(cfg, bootstrap, name, incarnation, checkpoint.resolve())
     return (
         joined.writeStream.queryName(name.replace("-", "_"))
         .foreachBatch(sink)
@@ -99,19 +109,41 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str) -> Any:
     )
 
 
-def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int]) -> None:
+def _incarnation(home: Path) -> str:
+    """The id of this work directory's life; a new one whenever the directory starts empty."""
+    path = home / "incarnation"
+    if not path.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        path.write_text(uuid.uuid4().hex[:12])
+    return path.read_text().strip()
+
+
+def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | None) -> None:
     """Run until SIGINT/SIGTERM; a restart with the same name resumes from the checkpoint."""
+    from pipeline.control import ControlLog, InstanceFollower, wait_for
+    from pipeline.sink import Fenced
     from pipeline.topics import check_reachable, ensure_topics
 
     check_reachable(bootstrap)
     ensure_topics(cfg, bootstrap)
     home = instance_dir(cfg, name)
     assignment = home / "assignment.json"
+    log = ControlLog(bootstrap, cfg.control_topic)
+    newest = log.catch_up().assignment
+    known = (home / "incarnation").read_text().strip() if (home / "incarnation").exists() else None
+    if newest is not None and f"{name}@{known}" in newest.evicted:
+        print(f"{name}: declared dead while away; its pids live elsewhere now, rejoining empty", flush=True)
+        shutil.rmtree(home)
+    follower = InstanceFollower(cfg, bootstrap, name, _incarnation(home), assignment, log)
+    if newest is None and pids is not None and not assignment.exists():
+        write_assignment(assignment, OwnedPids(epoch=0, pids=pids))  # static: no controller has spoken
+    follower.start()  # follows the control log and heartbeats from here on
     if not assignment.exists():
-        write_assignment(assignment, OwnedPids(epoch=0, pids=pids, start_offsets={}))
+        print(f"{name}: waiting for an assignment on {cfg.control_topic}", flush=True)
+        wait_for(assignment.exists, timeout_s=3600, what="an assignment from the controller")
     spark = spark_session(cfg, f"fluxjoin-{name}")
     spark.sparkContext.setLogLevel("WARN")
-    query = start_query(spark, cfg, bootstrap, name)
+    query = start_query(spark, cfg, bootstrap, name, follower.incarnation)
     stopping = threading.Event()
 
     def _stop(signum: int, frame: Any) -> None:
@@ -119,12 +151,16 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int]) -
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    print(f"{name}: running, pids {min(pids)}..{max(pids)} ({len(pids)}), checkpoint {home}", flush=True)
+    print(f"{name}: running (incarnation {follower.incarnation}), checkpoint {home}", flush=True)
     while not stopping.is_set() and query.isActive:
         stopping.wait(0.5)
-    if query.exception() is not None:
-        print(f"{name}: query failed: {query.exception()}", file=sys.stderr, flush=True)
+    follower.stop()
+    error = query.exception()
+    if error is not None:
+        fenced = Fenced.__name__ in str(error)
+        reason = "fenced: another instance owns its pids now" if fenced else f"query failed: {error}"
+        print(f"{name}: {reason}", file=sys.stderr, flush=True)
         spark.stop()
-        sys.exit(1)
+        sys.exit(3 if fenced else 1)
     query.stop()
     spark.stop()

@@ -201,3 +201,24 @@ def window_from_bytes(blob: bytes) -> WindowState:
         offset += 24 * int(n)
         parts.append(Part(cols[0], cols[1], cols[2]))
     return WindowState(tuple(parts), wm)
+
+
+def install(
+    state: WindowState, parts: list[Part], watermark: int | None, window_ms: int, allowed_lateness_ms: int
+) -> WindowState:
+    """Take over a moved pid's window: merge its tuples into `state` without probing (their results were
+    produced by the previous owner), then purge as `join_step` would.
+
+    `watermark` is the sender's when it was shipped (transfer); for a window rebuilt from the input log
+    (replay) it is None and derived from the tuples, as the sender derived its own.
+    """
+    merged = [state.parts[j].concat(parts[j]) for j in range(len(state.parts))]
+    max_seen = max((int(p.ts.max()) for p in parts if len(p)), default=None)
+    wm = state.watermark
+    if watermark is not None:
+        wm = max(wm, watermark)
+    elif max_seen is not None:
+        wm = max(wm, max_seen - allowed_lateness_ms)
+    if wm == NO_WATERMARK:
+        return WindowState(tuple(merged), wm)
+    return WindowState(tuple(p.take(p.ts >= wm - window_ms) for p in merged), int(wm))

@@ -13,7 +13,12 @@ result     0      join key         max event time     0                id of str
 late       1      tuple key        event time         stream index     tuple id              0
 malformed  2      stream index     reason code        0                Kafka offset          0
 stats      3      window tuples    max event time     state bytes      tuples in (batch)     results
+state      4      tuple key        event time         stream index     tuple id              0
+released   5      exported tuples  watermark          0                0                     0
 =========  =====  ===============  =================  ===============  ====================  ==========
+
+`state` rows are a released pid's window, exported for its new owner (handoff mode `transfer`); the
+`released` row closes every release, exported or not.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pipeline.join import Part, WindowState, join_step, window_from_bytes, window_to_bytes
+from pipeline.join import Part, WindowState, install, join_step, window_from_bytes, window_to_bytes
+from pipeline.source import MALFORMED_STREAM, RELEASE_ROW, WATERMARK_ROW, WINDOW_ROW
 
-KIND_RESULT, KIND_LATE, KIND_MALFORMED, KIND_STATS = 0, 1, 2, 3
+KIND_RESULT, KIND_LATE, KIND_MALFORMED, KIND_STATS, KIND_STATE, KIND_RELEASED = 0, 1, 2, 3, 4, 5
 STATE_SCHEMA = "window binary"
 
 
@@ -58,43 +64,47 @@ def make_join_function(
         frames = list(batches)
         rows = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
         window = window_from_bytes(state.get[0]) if state.exists else WindowState.empty(streams)
-
         stream_col = rows["stream"].to_numpy()
-        malformed = rows[stream_col < 0]
-        new = []
-        for j in range(streams):
-            sel = stream_col == j
-            new.append(
-                Part(
-                    rows["id"].to_numpy()[sel].astype(np.int64),
-                    rows["key"].to_numpy()[sel].astype(np.int64),
-                    rows["ts"].to_numpy()[sel].astype(np.int64),
-                )
-            )
-        out = join_step(window, new, window_ms, allowed_lateness_ms)
-        blob = window_to_bytes(out.state)
-        state.update((blob,))
+        ids, keys, ts = (rows[c].to_numpy().astype(np.int64) for c in ("id", "key", "ts"))
 
+        if (stream_col >= WINDOW_ROW).any() or (stream_col == WATERMARK_ROW).any():
+            shipped = ts[stream_col == WATERMARK_ROW]
+            parts = [
+                Part(ids[m], keys[m], ts[m]) for m in (stream_col == WINDOW_ROW + j for j in range(streams))
+            ]
+            wm = int(shipped.max()) if len(shipped) else None
+            window = install(window, parts, wm, window_ms, allowed_lateness_ms)
+
+        new = [Part(ids[m], keys[m], ts[m]) for m in (stream_col == j for j in range(streams))]
+        out = join_step(window, new, window_ms, allowed_lateness_ms)
+        released = stream_col == RELEASE_ROW
+        zeros = [0] * (streams - 1)
         r = out.results
         if len(r):
             yield _frame(KIND_RESULT, pid, r.keys, r.max_ts, 0, list(r.ids), len(r))
         for j, late in enumerate(out.late):
             if len(late):
-                zeros = [0] * (streams - 1)
                 yield _frame(KIND_LATE, pid, late.keys, late.ts, j, [late.ids, *zeros], len(late))
-        if len(malformed):
-            zeros = [0] * (streams - 1)
-            yield _frame(
-                KIND_MALFORMED,
-                pid,
-                malformed["key"].to_numpy(),
-                malformed["ts"].to_numpy(),
-                0,
-                [malformed["id"].to_numpy(), *zeros],
-                len(malformed),
-            )
-        max_ts = out.state.watermark + allowed_lateness_ms if out.state.tuples else 0
+        bad = stream_col == MALFORMED_STREAM
+        if bad.any():
+            yield _frame(KIND_MALFORMED, pid, keys[bad], ts[bad], 0, [ids[bad], *zeros], int(bad.sum()))
+
+        if released.any():
+            exported = 0
+            if keys[released].any():  # export for a transfer
+                for j, part in enumerate(out.state.parts):
+                    if len(part):
+                        yield _frame(KIND_STATE, pid, part.keys, part.ts, j, [part.ids, *zeros], len(part))
+                        exported += len(part)
+            yield _frame(KIND_RELEASED, pid, exported, out.state.watermark, 0, [0, *zeros], 1)
+            state.remove()
+            blob, final = b"", WindowState.empty(streams)
+        else:
+            blob, final = window_to_bytes(out.state), out.state
+            state.update((blob,))
+        max_ts = final.watermark + allowed_lateness_ms if final.tuples else 0
+        accepted = int(sum(len(p) for p in new))
         extra = [0] * (streams - 2)
-        yield _frame(KIND_STATS, pid, out.state.tuples, max_ts, len(blob), [len(rows), len(r), *extra], 1)
+        yield _frame(KIND_STATS, pid, final.tuples, max_ts, len(blob), [accepted, len(r), *extra], 1)
 
     return join_pid

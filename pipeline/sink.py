@@ -10,11 +10,18 @@ already reached Kafka atomically and is skipped. Consumers read with `isolation.
 Results therefore appear exactly once without any deduplication by readers; the verifier checks it.
 
 The marker also publishes, atomically with the output, how far each pid has been processed
-(the offsets Spark logged for the batch), which is what lag and handoff cutoffs are measured against.
+(the offsets Spark logged for the batch), which is what lag and recovery cutoffs are measured against.
+
+Handoffs ride the same transaction: a batch that releases pids writes their exported windows to the
+handoff topic and `Released` to the control topic; a batch that installs taken-over pids writes
+`Acquired`. Before committing, the sink reads the control log to its end and aborts if another instance
+now owns a pid this batch processed (this instance was declared dead and its pids recovered elsewhere):
+a stale owner can neither emit nor acknowledge.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -25,10 +32,25 @@ import pyarrow as pa
 
 from pipeline.codec import Malformation, encode_results
 from pipeline.config import Config
-from pipeline.operator import KIND_LATE, KIND_MALFORMED, KIND_RESULT, KIND_STATS
+from pipeline.control import ControlLog, publish
+from pipeline.join import Part, WindowState, window_to_bytes
+from pipeline.operator import (
+    KIND_LATE,
+    KIND_MALFORMED,
+    KIND_RELEASED,
+    KIND_RESULT,
+    KIND_STATE,
+    KIND_STATS,
+)
+from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, handoff_from_json
 from pipeline.topics import read_topic
 
 RESULTS_PER_MESSAGE = 8_000  # keeps each results message well under Kafka's 1 MB default
+SNAPSHOT_CHUNK_BYTES = 900_000  # likewise for exported windows
+
+
+class Fenced(RuntimeError):
+    """This instance no longer owns a pid it processed: it was declared dead and must restart empty."""
 
 
 def read_logged_offsets(checkpoint: Path, batch_id: int) -> dict[str, Any]:
@@ -37,12 +59,12 @@ def read_logged_offsets(checkpoint: Path, batch_id: int) -> dict[str, Any]:
     return dict(json.loads(lines[-1]))
 
 
-def last_commit(cfg: Config, bootstrap: str, instance: str) -> dict[str, Any] | None:
-    """The newest committed marker of `instance`, read from the start of the commits topic."""
+def last_commit(cfg: Config, bootstrap: str, instance: str, incarnation: str) -> dict[str, Any] | None:
+    """The newest committed marker of this incarnation of `instance` (a checkpoint's life)."""
     found = None
     for _, _, value in read_topic(bootstrap, cfg.sink_commits_topic):
         marker = json.loads(value)
-        if marker["instance"] == instance:
+        if marker["instance"] == instance and marker.get("incarnation") == incarnation:
             found = marker
     return found
 
@@ -58,11 +80,13 @@ def _sample(values: np.ndarray, n: int) -> list[float]:
 class ExactlyOnceSink:
     """`foreachBatch` target: writes one micro-batch's output in one Kafka transaction."""
 
-    def __init__(self, cfg: Config, bootstrap: str, instance: str, checkpoint: Path) -> None:
+    def __init__(
+        self, cfg: Config, bootstrap: str, instance: str, incarnation: str, checkpoint: Path
+    ) -> None:
         from confluent_kafka import Producer
         from confluent_kafka.admin import AdminClient
 
-        self.cfg, self.instance, self.checkpoint = cfg, instance, checkpoint
+        self.cfg, self.instance, self.incarnation, self.checkpoint = cfg, instance, incarnation, checkpoint
         self.producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
@@ -70,13 +94,18 @@ class ExactlyOnceSink:
                 "linger.ms": 5,
                 "batch.size": 1_000_000,
                 "compression.type": "lz4",
-                "transaction.timeout.ms": 120_000,
+                # A killed instance's open transaction holds back read_committed readers of every topic it
+                # wrote to (the control log among them) until it times out: keep that short. A batch's
+                # transaction spans only producing its output, not computing it.
+                "transaction.timeout.ms": 15_000,
             }
         )
         self.producer.init_transactions(60)  # fences any previous incarnation of this instance
         self.admin = AdminClient({"bootstrap.servers": bootstrap})
-        marker = last_commit(cfg, bootstrap, instance)
+        marker = last_commit(cfg, bootstrap, instance, incarnation)
         self.last_batch = int(marker["batch"]) if marker else -1
+        self.control = ControlLog(bootstrap, cfg.control_topic)
+        self._delivered: dict[int, int] = {}
         self.last_end = time.monotonic()
         self.streams = cfg.streams
 
@@ -98,8 +127,10 @@ class ExactlyOnceSink:
         results = self._produce_results(columns, kind == KIND_RESULT)
         late = self._produce_dead_letters(columns, kind == KIND_LATE, "late")
         malformed = self._produce_dead_letters(columns, kind == KIND_MALFORMED, "malformed")
+        self._acknowledge_handoffs(offsets, columns, kind)
         marker = {
             "instance": self.instance,
+            "incarnation": self.incarnation,
             "batch": batch_id,
             "epoch": offsets["epoch"],
             "offsets": offsets["offsets"],
@@ -108,8 +139,77 @@ class ExactlyOnceSink:
         self.producer.produce(self.cfg.sink_commits_topic, key=self.instance, value=json.dumps(marker))
         metrics = self._metrics(batch_id, offsets, columns, kind, started, results, late, malformed)
         self.producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(metrics))
+        stale = self._stale_pids(offsets, columns, kind)
+        if stale:
+            self.producer.abort_transaction(60)
+            raise Fenced(f"{self.instance}: pids {stale} belong to other instances now; not committing")
         self.producer.commit_transaction(60)
         self.last_batch = batch_id
+
+    def _stale_pids(
+        self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray
+    ) -> list[int]:
+        """Pids this batch processed that the newest assignment gives to another instance."""
+        newest = self.control.catch_up().assignment
+        if newest is None or newest.epoch <= offsets["epoch"]:
+            return []
+        touched = set(columns["pid"][kind == KIND_STATS].tolist())
+        return sorted(p for p in touched if newest.owners.get(p, self.instance) != self.instance)
+
+    def _acknowledge_handoffs(
+        self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray
+    ) -> None:
+        """Released (with the exported window) and Acquired messages for this batch's epoch change."""
+        epoch = int(offsets["epoch"])
+        for p, released in offsets.get("released", {}).items():
+            if released["move_id"] is None:
+                continue
+            snapshot = self._export(int(p), columns, kind) if released["export"] else None
+            msg = ReleasedMsg(
+                instance=self.instance,
+                epoch=epoch,
+                pid=int(p),
+                move_id=released["move_id"],
+                cutoff=released["cutoff"],
+                snapshot=snapshot,
+            )
+            publish(self.producer, self.cfg.control_topic, msg)
+        for p, acquired in offsets.get("acquired", {}).items():
+            handoff = handoff_from_json(acquired["handoff"])
+            msg2 = AcquiredMsg(instance=self.instance, epoch=epoch, pid=int(p), move_id=handoff.move_id)
+            publish(self.producer, self.cfg.control_topic, msg2)
+
+    def _export(self, pid: int, columns: dict[str, np.ndarray], kind: np.ndarray) -> Snapshot:
+        """Write a released pid's window to the handoff topic in chunks; flush to learn their offsets
+        (inside the transaction: readers see them only once it commits)."""
+        rows = (kind == KIND_STATE) & (columns["pid"] == pid)
+        closing = (kind == KIND_RELEASED) & (columns["pid"] == pid)
+        stream = columns["aux"][rows]
+        parts = tuple(
+            Part(
+                columns["id0"][rows][stream == j],
+                columns["key"][rows][stream == j],
+                columns["ts"][rows][stream == j],
+            )
+            for j in range(len(self.streams))
+        )
+        blob = window_to_bytes(WindowState(parts, int(columns["ts"][closing][0])))
+        topic = self.cfg.handoff_topic
+        self._delivered = {}
+        for i, start in enumerate(range(0, max(1, len(blob)), SNAPSHOT_CHUNK_BYTES)):
+            chunk = blob[start : start + SNAPSHOT_CHUNK_BYTES]
+            self.producer.produce(topic, value=chunk, partition=0, on_delivery=self._on_chunk(i))
+        self.producer.flush(60)
+        offsets = tuple(self._delivered[i] for i in sorted(self._delivered))
+        return Snapshot(topic=topic, partition=0, offsets=offsets, sha256=hashlib.sha256(blob).hexdigest())
+
+    def _on_chunk(self, index: int) -> Any:
+        def record(err: Any, msg: Any) -> None:
+            if err is not None:
+                raise RuntimeError(f"snapshot chunk not delivered: {err}")
+            self._delivered[index] = msg.offset()
+
+        return record
 
     def _metrics(
         self,

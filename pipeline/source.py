@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,24 +29,55 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
+from pipeline.protocol import (
+    AssignmentMsg,
+    Handoff,
+    Mode,
+    MoveSpec,
+    Snapshot,
+    handoff_from_json,
+    handoff_to_json,
+    move_from_json,
+    move_to_json,
+)
+
 SOURCE_NAME = "fluxjoin"
 SOURCE_SCHEMA = "pid int, stream byte, id long, key long, ts long"
 _ARROW_SCHEMA = pa.schema(
     [("pid", pa.int32()), ("stream", pa.int8()), ("id", pa.int64()), ("key", pa.int64()), ("ts", pa.int64())]
 )
-MALFORMED_STREAM = -1
+# Values of the `stream` column besides 0..m-1 (data rows):
+MALFORMED_STREAM = -1  # id = Kafka offset, key = stream index, ts = Malformation code
+RELEASE_ROW = -2  # the pid leaves this instance; key = 1 to export its window
+WATERMARK_ROW = -3  # ts = the watermark of an installed snapshot
+WINDOW_ROW = 16  # WINDOW_ROW + j: a window tuple of stream j to install, not to join
 _READ_TIMEOUT_S = 60.0
 
 
-# --- the assignment file: written by the instance (and later the controller), read at batch boundaries ---
+# --- the assignment file: written by the instance's control follower, read at batch boundaries ---
 
 
 @dataclass(frozen=True, slots=True)
 class OwnedPids:
+    """This instance's part of one assignment epoch."""
+
     epoch: int
     pids: frozenset[int]
-    # Where to start reading a pid that is new to this instance (stream -> offset); absent: earliest.
-    start_offsets: dict[int, dict[str, int]]
+    # Pids being taken over: where to continue and how to get the window. A pid new to this instance
+    # without a handoff starts at the earliest offsets with an empty window (a fresh pipeline).
+    handoffs: Mapping[int, Handoff] = field(default_factory=dict)
+    # Pids in transit from this instance: released at the next batch boundary.
+    releasing: Mapping[int, MoveSpec] = field(default_factory=dict)
+
+
+def owned_pids(msg: AssignmentMsg, instance: str) -> OwnedPids:
+    pids = msg.pids_of(instance)
+    return OwnedPids(
+        epoch=msg.epoch,
+        pids=pids,
+        handoffs={p: h for p, h in msg.handoffs.items() if p in pids},
+        releasing={p: m for p, m in msg.moving.items() if m.source == instance},
+    )
 
 
 def write_assignment(path: Path, owned: OwnedPids) -> None:
@@ -56,7 +87,8 @@ def write_assignment(path: Path, owned: OwnedPids) -> None:
     body = {
         "epoch": owned.epoch,
         "pids": sorted(owned.pids),
-        "start_offsets": {str(p): o for p, o in sorted(owned.start_offsets.items())},
+        "handoffs": {str(p): handoff_to_json(h) for p, h in sorted(owned.handoffs.items())},
+        "releasing": {str(p): move_to_json(m) for p, m in sorted(owned.releasing.items())},
     }
     tmp.write_text(json.dumps(body))
     os.replace(tmp, path)
@@ -67,7 +99,8 @@ def read_assignment(path: Path) -> OwnedPids:
     return OwnedPids(
         epoch=int(body["epoch"]),
         pids=frozenset(int(p) for p in body["pids"]),
-        start_offsets={int(p): {s: int(o) for s, o in v.items()} for p, v in body["start_offsets"].items()},
+        handoffs={int(p): handoff_from_json(h) for p, h in body["handoffs"].items()},
+        releasing={int(p): move_from_json(m) for p, m in body["releasing"].items()},
     )
 
 
@@ -78,20 +111,32 @@ Offsets = dict[str, dict[str, int]]  # stream -> str(pid) -> next offset to read
 
 @dataclass(frozen=True, slots=True)
 class PidRange:
-    """One pid's slice of one stream for a batch: Kafka offsets [start, end)."""
+    """One pid's slice of one stream for a batch: Kafka offsets [start, end). A `window` range is input
+    re-read to rebuild a taken-over pid's window (replay): installed, never joined or dead-lettered."""
 
     stream_index: int
     topic: str
     pid: int
     start: int
     end: int
+    window: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffWork:
+    """The non-data part of a batch: pids to release (and whether to export their window) and windows
+    to install from snapshots."""
+
+    releases: tuple[tuple[int, bool], ...] = ()
+    snapshots: tuple[tuple[int, Snapshot], ...] = ()
 
 
 class KafkaPidPartition(InputPartition):
-    def __init__(self, ranges: list[PidRange], partitions: int) -> None:
+    def __init__(self, ranges: list[PidRange], partitions: int, handoff: HandoffWork | None = None) -> None:
         super().__init__(ranges)
         self.ranges = ranges
         self.partitions = partitions
+        self.handoff = handoff or HandoffWork()
 
 
 def plan_partitions(ranges: Sequence[PidRange], max_tasks: int) -> list[list[PidRange]]:
@@ -132,7 +177,8 @@ def limit_offsets(start: Offsets, latest: Offsets, max_messages: int) -> Offsets
 class FluxjoinSource(DataSource):
     """Options: `bootstrap`, `streams` (comma separated, configured order), `topics` (same order),
     `assignment` (path of the assignment file), `partitions` (P), `max_messages` (Kafka messages per
-    batch, the source's default read limit), `tasks` (read parallelism)."""
+    batch, the source's default read limit), `tasks` (read parallelism), `window_ms` and
+    `lateness_ms` (how far back a replayed window reaches)."""
 
     @classmethod
     def name(cls) -> str:
@@ -146,6 +192,14 @@ class FluxjoinSource(DataSource):
 
 
 class FluxjoinStreamReader(DataSourceStreamReader):
+    """Offsets: `{"epoch", "offsets": {stream: {pid: next}}, "released": {pid: ...}, "acquired": {pid: ...}}`.
+
+    A batch that changes the epoch reads no input: it only releases pids (a marker row each, so the
+    operator exports or drops the window) and installs the windows of acquired pids; `released` and
+    `acquired` tell the sink which acknowledgements to commit with it. All of it is decided in
+    `latestOffset` and logged by Spark, so a restarted query replays the very same batch.
+    """
+
     def __init__(self, options: dict[str, str]) -> None:
         self.bootstrap = options["bootstrap"]
         self.streams = options["streams"].split(",")
@@ -154,6 +208,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self.partition_count = int(options["partitions"])
         self.max_messages = int(options.get("max_messages", "1000"))
         self.tasks = int(options.get("tasks", "2"))
+        self.reach_back_ms = int(options.get("window_ms", "0")) + 2 * int(options.get("lateness_ms", "0"))
         self._admin: Any = None
 
     def _watermarks(self, pids: Sequence[int], spec: str) -> dict[str, dict[str, int]]:
@@ -174,29 +229,87 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return out
 
     def initialOffset(self) -> dict:
-        owned = read_assignment(self.assignment_path)
-        return self._enter_new_pids({"epoch": owned.epoch, "offsets": {s: {} for s in self.streams}}, owned)
+        """Epoch -1 and no pids: the first batch enters the assignment like any later epoch change."""
+        return {"epoch": -1, "offsets": {s: {} for s in self.streams}}
 
-    def _enter_new_pids(self, offset: dict, owned: OwnedPids) -> dict:
-        """Drop released pids; add acquired ones at their start offsets (earliest if none given)."""
+    def _change_epoch(self, offset: dict, owned: OwnedPids) -> dict:
+        """Release pids no longer owned (at their current offsets, the cutoff); enter acquired ones at
+        their handoff's cutoff (or the earliest offsets when there is none)."""
         current: Offsets = offset["offsets"]
+        first = self.streams[0]
         keep: Offsets = {
             s: {p: o for p, o in current.get(s, {}).items() if int(p) in owned.pids} for s in self.streams
         }
-        new = sorted(p for p in owned.pids if str(p) not in keep[self.streams[0]])
-        earliest = self._watermarks(new, "earliest") if new else {}
+        released = {}
+        for p in sorted(int(p) for p in current.get(first, {}) if int(p) not in owned.pids):
+            move = owned.releasing.get(p)
+            released[str(p)] = {
+                "move_id": move.move_id if move else None,
+                "export": move is not None and move.mode is Mode.TRANSFER,
+                "cutoff": {s: current[s][str(p)] for s in self.streams},
+            }
+        new = sorted(p for p in owned.pids if str(p) not in keep[first])
+        # A query's first batch may see pids already in transit from it that it never read (the move
+        # began while the instance was starting): it releases them where nobody has read them yet.
+        unread = sorted(owned.releasing) if offset["epoch"] == -1 else []
+        earliest = self._watermarks([p for p in new if p not in owned.handoffs] + unread, "earliest")
+        for p in unread:
+            move = owned.releasing[p]
+            released[str(p)] = {
+                "move_id": move.move_id,
+                "export": move.mode is Mode.TRANSFER,
+                "cutoff": {s: earliest[s][str(p)] for s in self.streams},
+            }
+        acquired = {}
         for p in new:
-            given = owned.start_offsets.get(p, {})
+            handoff = owned.handoffs.get(p)
+            if handoff is None:
+                for s in self.streams:
+                    keep[s][str(p)] = earliest[s][str(p)]
+                continue
             for s in self.streams:
-                keep[s][str(p)] = given.get(s, earliest[s][str(p)])
-        return {"epoch": owned.epoch, "offsets": keep}
+                keep[s][str(p)] = handoff.cutoff[s]
+            replay = self._replay_from(p, handoff.cutoff) if handoff.mode is Mode.REPLAY else None
+            acquired[str(p)] = {"handoff": handoff_to_json(handoff), "replay_from": replay}
+        return {"epoch": owned.epoch, "offsets": keep, "released": released, "acquired": acquired}
+
+    def _replay_from(self, pid: int, cutoff: Mapping[str, int]) -> dict[str, int]:
+        """Offsets from which re-reading the input rebuilds the window the previous owner had at the
+        cutoff: the newest event time before the cutoff, minus W and twice the allowed lateness
+        (message timestamps are their first event time; the install purges what is too old)."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "fluxjoin-unused"})
+        try:
+            newest = None
+            for topic, stream in zip(self.topics, self.streams, strict=True):
+                if cutoff[stream] == 0:
+                    continue
+                consumer.assign([TopicPartition(topic, pid, cutoff[stream] - 1)])
+                for msg in consumer.consume(num_messages=1, timeout=30):
+                    if msg.error() is None and (msg.offset() or 0) < cutoff[stream]:
+                        ts = msg.timestamp()[1]
+                        newest = ts if newest is None else max(newest, ts)
+            if newest is None:
+                return dict(cutoff)
+            target = newest - self.reach_back_ms
+            found = consumer.offsets_for_times([TopicPartition(t, pid, target) for t in self.topics], 30)
+            by_topic = {tp.topic: tp.offset for tp in found}
+        finally:
+            consumer.close()
+        out = {}
+        for topic, stream in zip(self.topics, self.streams, strict=True):
+            offset = by_topic[topic]
+            out[stream] = cutoff[stream] if offset < 0 else min(offset, cutoff[stream])
+        return out
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         owned = read_assignment(self.assignment_path)
         if owned.epoch != start["epoch"]:
-            # The pid set changed: this batch only moves the offset map to the new epoch.
-            return self._enter_new_pids(start, owned)
+            return self._change_epoch(start, owned)
         pids = sorted(int(p) for p in start["offsets"][self.streams[0]])
+        if not pids:
+            return {"epoch": owned.epoch, "offsets": start["offsets"]}
         latest = self._watermarks(pids, "latest")
         if isinstance(limit, ReadAllAvailable):
             return {"epoch": owned.epoch, "offsets": latest}
@@ -214,17 +327,92 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             for p, e in end["offsets"].get(s, {}).items()
             if p in start["offsets"].get(s, {})
         ]
-        return [KafkaPidPartition(t, self.partition_count) for t in plan_partitions(ranges, self.tasks)]
+        tasks = [KafkaPidPartition(t, self.partition_count) for t in plan_partitions(ranges, self.tasks)]
+        releases = tuple((int(p), bool(r["export"])) for p, r in end.get("released", {}).items())
+        snapshots = []
+        replays = []
+        for p, a in end.get("acquired", {}).items():
+            handoff = handoff_from_json(a["handoff"])
+            if handoff.snapshot is not None:
+                snapshots.append((int(p), handoff.snapshot))
+            for i, s in enumerate(self.streams):
+                if a["replay_from"] is not None and a["replay_from"][s] < handoff.cutoff[s]:
+                    replays.append(
+                        PidRange(i, self.topics[i], int(p), a["replay_from"][s], handoff.cutoff[s], True)
+                    )
+        if releases or snapshots or replays:
+            work = HandoffWork(releases, tuple(snapshots))
+            tasks.append(KafkaPidPartition(replays, self.partition_count, work))
+        return tasks
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KafkaPidPartition)
-        return read_ranges(self.bootstrap, partition.ranges, partition.partitions)
+        yield from handoff_rows(self.bootstrap, partition.handoff, len(self.streams))
+        yield from read_ranges(self.bootstrap, partition.ranges, partition.partitions)
 
     def commit(self, end: dict) -> None:
         """Nothing to do: progress lives in Spark's offset log and the sink's commit topic."""
 
     def stop(self) -> None:
         self._admin = None
+
+
+def handoff_rows(bootstrap: str, work: HandoffWork, streams: int) -> Iterator[pa.RecordBatch]:
+    """Marker rows for released pids; the window rows and watermark row of each snapshot."""
+    from pipeline.join import window_from_bytes
+
+    for pid, export in work.releases:
+        yield _rows(pid, np.array([RELEASE_ROW], np.int8), [0], [int(export)], [0])
+    for pid, snapshot in work.snapshots:
+        window = window_from_bytes(read_snapshot(bootstrap, snapshot))
+        if window.parts and len(window.parts) != streams:
+            raise ValueError(f"snapshot of pid {pid} has {len(window.parts)} streams, expected {streams}")
+        for j, part in enumerate(window.parts):
+            if len(part):
+                kinds = np.full(len(part), WINDOW_ROW + j, np.int8)
+                yield _rows(pid, kinds, part.ids, part.keys, part.ts)
+        yield _rows(pid, np.array([WATERMARK_ROW], np.int8), [0], [0], [window.watermark])
+
+
+def read_snapshot(bootstrap: str, snapshot: Snapshot) -> bytes:
+    """The exported window's bytes, checked against the checksum the sender committed with them."""
+    import hashlib
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": "fluxjoin-unused", "isolation.level": "read_committed"}
+    )
+    chunks = []
+    try:
+        for offset in snapshot.offsets:
+            consumer.assign([TopicPartition(snapshot.topic, snapshot.partition, offset)])
+            got = consumer.consume(num_messages=1, timeout=30)
+            if not got or got[0].error() is not None or got[0].offset() != offset:
+                raise RuntimeError(
+                    f"snapshot chunk {snapshot.topic}[{snapshot.partition}]@{offset} unreadable"
+                )
+            chunks.append(got[0].value() or b"")
+    finally:
+        consumer.close()
+    blob = b"".join(chunks)
+    if hashlib.sha256(blob).hexdigest() != snapshot.sha256:
+        raise RuntimeError(f"snapshot at {snapshot.topic}@{snapshot.offsets} fails its checksum")
+    return blob
+
+
+def _rows(pid: int, stream: Any, ids: Any, keys: Any, ts: Any) -> pa.RecordBatch:
+    n = len(stream)
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(np.full(n, pid, dtype=np.int32)),
+            pa.array(np.asarray(stream, dtype=np.int8)),
+            pa.array(np.asarray(ids, dtype=np.int64)),
+            pa.array(np.asarray(keys, dtype=np.int64)),
+            pa.array(np.asarray(ts, dtype=np.int64)),
+        ],
+        schema=_ARROW_SCHEMA,
+    )
 
 
 def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> Iterator[pa.RecordBatch]:
@@ -282,7 +470,8 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                         raise MalformedRecord(Malformation.WRONG_PARTITION, "key of another pid")
                     cols[tp].append((ids, keys, ts))
                 except MalformedRecord as exc:
-                    bad[tp].append((off, int(exc.reason)))
+                    if not r.window:  # re-read for a window: reported when first read
+                        bad[tp].append((off, int(exc.reason)))
     finally:
         consumer.close()
     for tp, r in by_tp.items():
@@ -297,7 +486,7 @@ def _to_arrow(
     keys = [c[1] for c in cols] + [np.full(len(bad), r.stream_index, dtype=np.int64)]
     ts = [c[2] for c in cols] + [np.array([code for _, code in bad], dtype=np.int64)]
     n_good = sum(len(c[0]) for c in cols)
-    stream = np.full(n_good + len(bad), r.stream_index, dtype=np.int8)
+    stream = np.full(n_good + len(bad), r.stream_index + (WINDOW_ROW if r.window else 0), dtype=np.int8)
     stream[n_good:] = MALFORMED_STREAM
     return pa.RecordBatch.from_arrays(
         [

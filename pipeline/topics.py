@@ -52,13 +52,19 @@ def topic_specs(cfg: Config) -> list[TopicSpec]:
     the bookkeeping topics have one, so their readers see a single total order."""
     p = cfg.partitions
     return [
-        *(TopicSpec(name=t, partitions=p) for t in cfg.input_topics),
+        # Message timestamps are event times (the replay handoff seeks by them); a max-rate run's
+        # virtual clock may run ahead of the wall clock, which the broker must accept.
+        *(
+            TopicSpec(name=t, partitions=p, config={"message.timestamp.after.max.ms": str(2**63 - 1)})
+            for t in cfg.input_topics
+        ),
         TopicSpec(name=cfg.results_topic, partitions=p),
         TopicSpec(name=cfg.dead_letter_topic, partitions=1),
         # Compacted: only the latest commit record per key matters.
         TopicSpec(name=cfg.sink_commits_topic, partitions=1, config={"cleanup.policy": "compact"}),
         TopicSpec(name=cfg.metrics_topic, partitions=1),
         TopicSpec(name=cfg.control_topic, partitions=1),
+        TopicSpec(name=cfg.handoff_topic, partitions=1),
     ]
 
 
@@ -161,7 +167,7 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 120.0) -> Iterator
         ends: dict[int, int] = {}
         assign = []
         for p in sorted(meta.partitions):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            low, high = watermark_offsets(consumer, TopicPartition(topic, p))
             if high > low:
                 ends[p] = high
                 assign.append(TopicPartition(topic, p, low))
@@ -186,3 +192,19 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 120.0) -> Iterator
                     yield partition, offset, value
     finally:
         consumer.close()
+
+
+def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float = 30.0) -> tuple[int, int]:
+    """(low, high) offsets of a partition, retrying while a new topic's leader is still being elected."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=timeout_s)
+            return int(low), int(high)
+        except KafkaException as exc:
+            error = exc.args[0]
+            if not error.retriable() and error.code() != KafkaError.NOT_LEADER_FOR_PARTITION:
+                raise
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

@@ -138,3 +138,40 @@ def test_streams_share_hot_keys_seeds_change_them() -> None:
     a, b = KeySampler(dist, seed=7, stream=0), KeySampler(dist, seed=7, stream=1)
     np.testing.assert_array_equal(a.hot_keys(3.0), b.hot_keys(3.0))
     assert not np.array_equal(a.hot_keys(3.0), KeySampler(dist, seed=8).hot_keys(3.0))
+
+
+def test_hot_pids_put_the_share_on_the_hot_pids_and_move_them() -> None:
+    from pipeline.config import HotPidsKeys
+    from pipeline.partitioning import pids_of
+
+    dist = HotPidsKeys(count=20_000, hot_fraction=0.25, hot_share=0.8, move_every_s=10.0)
+    sampler = KeySampler(dist, seed=3, stream=0, partitions=16)
+    early, late = sampler.hot_pids(1.0), sampler.hot_pids(11.0)
+    assert len(early) == 4 and len(late) == 4
+    assert not set(early) & set(late), "consecutive hot sets are disjoint when P allows"
+    keys = sampler.sample(100_000, 1.0)
+    pids = pids_of(keys, 16)
+    on_hot = np.isin(pids, early).mean()
+    assert on_hot == pytest.approx(0.8, abs=0.01)
+    counts = np.bincount(pids, minlength=16)
+    cold = np.setdiff1d(np.arange(16), early)
+    assert counts[cold].min() > 0.5 * counts[cold].mean(), "cold pids share the rest evenly"
+    assert len(np.unique(keys[pids == early[0]])) > 500, "keys spread within a hot pid"
+
+
+def test_hot_pids_draw_the_same_keys_in_any_chunking() -> None:
+    from pipeline.config import HotPidsKeys
+
+    dist = HotPidsKeys(count=5_000, hot_fraction=0.2, hot_share=0.8, move_every_s=1.0)
+    times = np.linspace(0.0, 5.0, 3000)
+    whole = KeySampler(dist, seed=5, stream=1, partitions=8).sample(3000, times)
+    chunked = KeySampler(dist, seed=5, stream=1, partitions=8)
+    parts = [chunked.sample(1000, times[i : i + 1000]) for i in range(0, 3000, 1000)]
+    np.testing.assert_array_equal(whole, np.concatenate(parts))
+
+
+def test_hot_pids_refuse_a_key_space_too_small_for_the_pids() -> None:
+    from pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="8 x partitions"):
+        load_config(None, ["partitions=64", "generator.keys={kind: hot_pids, count: 100}"])

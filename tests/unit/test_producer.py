@@ -136,13 +136,14 @@ def test_encode_slice_groups_by_pid_and_keeps_order() -> None:
     sl = _one_slice(5000)
     start_ms = 1_700_000_000_000
     seen = []
-    for pid, value in encode_slice(sl, start_ms, partitions=16, tuples_per_message=100):
+    for pid, value, first_ms in encode_slice(sl, start_ms, partitions=16, tuples_per_message=100):
         batch = decode_tuples(value)
         assert 0 < len(batch) <= 100
         assert (pids_of(batch.keys, 16) == pid).all()
         assert (np.diff(batch.ids) > 0).all()  # arrival order within a pid
         np.testing.assert_array_equal(batch.event_times, sl.offsets_ms[batch.ids] + start_ms)
         np.testing.assert_array_equal(batch.payload, sl.payload[batch.ids])
+        assert first_ms == batch.event_times.min()  # the message timestamp
         seen.append(batch.ids)
     np.testing.assert_array_equal(np.sort(np.concatenate(seen)), sl.ids)
 
@@ -153,7 +154,7 @@ def test_messages_stay_under_the_size_limit() -> None:
     assert max_tuples_per_message(10, 65536) == 10
     assert max_tuples_per_message(100, 65536) == 14
     sl = _one_slice(30_000, payload_bytes=100)
-    sizes = [len(v) for _, v in encode_slice(sl, 0, partitions=1, tuples_per_message=100_000)]
+    sizes = [len(v) for _, v, _ in encode_slice(sl, 0, partitions=1, tuples_per_message=100_000)]
     assert max(sizes) <= MAX_MESSAGE_BYTES
     assert len(sizes) > 1
 

@@ -1,0 +1,452 @@
+"""`fluxjoin bench throughput`: one instance against Spark's built-in stream-stream join, and latency.
+
+Two measurements in one run, on a real broker (the embedded one unless `--bootstrap`):
+
+(a) Catch-up rate. The input topics are pre-loaded (2-way join, W = 10 s, P = 64, uniform keys sized for
+    about one result per input tuple); then one fluxjoin instance process reads them from the start with
+    nothing else running but the broker, and afterwards Spark's built-in Kafka source and stream-stream
+    join (the `spark-sql-kafka-0-10` connector from Maven Central) read the same topics in this process.
+    Both decode the same wire format and run in `local[2]` with the same batch cap; both are timed from
+    the start of their first micro-batch to the end of the last one, so Spark's start-up is excluded
+    from both. The built-in join writes to a counting sink, fluxjoin to Kafka in transactions, so the
+    comparison favours the built-in join. fluxjoin's output is also verified against the oracle.
+(b) Result latency. The generator in real-time mode at a fixed rate (default 20K tuples/s in total), one
+    instance; latency of a result = commit time - max event time of its parts, percentiles over all
+    results after a warm-up, weighted by each batch's result count.
+
+Each repeat uses fresh topics; the summary holds the medians and the ratio of medians.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from controller.local import LocalPipeline, MetricsFollower, end_offsets, wait_drained, weighted_percentiles
+from pipeline.config import Config
+
+SPARK_KAFKA_PACKAGE = "org.apache.spark:spark-sql-kafka-0-10_2.13"
+
+
+def catchup_config(base: Config, pipeline: str, tuples: int) -> Config:
+    """2-way, W = 10 s, P = 64; 50K tuples/s of event time per stream over 500K uniform keys gives
+    rate x W / keys = 1 result per input tuple."""
+    return base.with_overrides(
+        pipeline=pipeline,
+        streams=["A", "B"],
+        window_ms=10_000,
+        partitions=64,
+        instances=1,
+        **{
+            "generator.mode": "max_rate",
+            "generator.duration_s": None,
+            "generator.max_tuples": tuples,
+            "generator.rate": {"kind": "constant", "rate": 50_000},
+            "generator.keys": {"kind": "uniform", "count": 500_000},
+            "instance.trigger_ms": 0,
+        },
+    )
+
+
+def latency_config(base: Config, pipeline: str, rate: float, seconds: float) -> Config:
+    """Real time at `rate` tuples/s in total, keys sized for one result per input tuple."""
+    per_stream = rate / 2
+    return base.with_overrides(
+        pipeline=pipeline,
+        streams=["A", "B"],
+        window_ms=10_000,
+        partitions=64,
+        instances=1,
+        **{
+            "generator.mode": "real_time",
+            "generator.duration_s": seconds,
+            "generator.max_tuples": None,
+            "generator.rate": {"kind": "constant", "rate": per_stream},
+            "generator.keys": {"kind": "uniform", "count": max(1, int(per_stream * 10))},
+        },
+    )
+
+
+def _batch_span_s(records: list[dict[str, Any]]) -> float:
+    """Seconds from the start of the first batch that read input to the end of the last one."""
+    busy = [r for r in records if r["tuples_in"] > 0]
+    first_start = min(r["time_ms"] - 1000 * r["duration_s"] for r in busy)
+    return (max(r["time_ms"] for r in busy) - first_start) / 1000
+
+
+def measure_fluxjoin(cfg: Config, bootstrap: str, work: Path, say: Callable[[str], None]) -> dict[str, Any]:
+    """One instance owning every pid reads the pre-loaded topics from the start; metrics give the span."""
+    from pipeline.oracle import verify_pipeline
+
+    pipeline = LocalPipeline(cfg, bootstrap, work)
+    follower = MetricsFollower(pipeline.cfg, bootstrap)
+    records: list[dict[str, Any]] = []
+    try:
+        pipeline.start_instance("instance-0", range(cfg.partitions))
+        wait_drained(pipeline, timeout_s=900)
+        time.sleep(1.0)
+        records = [r for r in _drain(follower) if r.get("kind") == "batch"]
+    finally:
+        follower.close()
+        pipeline.stop()
+    tuples = sum(r["tuples_in"] for r in records)
+    span = _batch_span_s(records)
+    say(f"fluxjoin: {tuples:,} tuples in {span:.1f} s -> {tuples / span:,.0f} tuples/s; verifying")
+    report = verify_pipeline(pipeline.cfg, bootstrap)
+    return {
+        "tuples": tuples,
+        "seconds": round(span, 2),
+        "tuples_per_s": round(tuples / span, 1),
+        "batches": len(records),
+        "results": report.produced,
+        "exact": report.exact,
+    }
+
+
+def _drain(follower: MetricsFollower) -> Iterator[dict[str, Any]]:
+    """Everything the follower has, until a poll returns nothing."""
+    while True:
+        got = list(follower.poll())
+        if not got:
+            return
+        yield from got
+
+
+def decode_messages(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """`mapInArrow` body for the built-in baseline: Kafka values (tuple batches) -> (key, ts) rows."""
+    from pipeline.codec import decode_tuple_columns
+
+    for batch in batches:
+        keys, ts = [], []
+        for value in batch.column("value").to_pylist():
+            _, k, t = decode_tuple_columns(value)
+            keys.append(k)
+            ts.append(t)
+        if keys:
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(np.concatenate(keys)), pa.array(np.concatenate(ts))], names=["key", "ts"]
+            )
+
+
+def measure_builtin(cfg: Config, bootstrap: str, work: Path, say: Callable[[str], None]) -> dict[str, Any]:
+    """Spark's Kafka source + stream-stream interval join on the same topics, counting results."""
+    import pyspark
+    from pyspark.sql import functions as F
+
+    from controller.kafka_runtime import cache_dir
+    from pipeline.instance import spark_session
+
+    package = f"{SPARK_KAFKA_PACKAGE}:{pyspark.__version__}"
+    say(f"built-in: Spark with {package} (fetched from Maven Central into the cache on first use)")
+    spark = spark_session(
+        cfg,
+        "fluxjoin-bench-builtin",
+        {"spark.jars.packages": package, "spark.jars.ivy": str(cache_dir() / "ivy")},
+    )
+    max_messages = max(1, cfg.instance.max_rows_per_batch // cfg.generator.tuples_per_message)
+    lateness = f"{cfg.allowed_lateness_ms} milliseconds"
+
+    def side(stream: str) -> Any:
+        raw = (
+            spark.readStream.format("kafka")
+            .option("kafka.bootstrap.servers", bootstrap)
+            .option("subscribe", cfg.input_topic(stream))
+            .option("startingOffsets", "earliest")
+            .option("maxOffsetsPerTrigger", str(max_messages // len(cfg.streams)))
+            .load()
+        )
+        rows = raw.select("value").mapInArrow(decode_messages, "key long, ts long")
+        rows = rows.withColumn("et", F.timestamp_millis("ts")).withWatermark("et", lateness)
+        return rows.select(F.col("key").alias(f"k_{stream}"), F.col("et").alias(f"t_{stream}"))
+
+    a, b = side(cfg.streams[0]), side(cfg.streams[1])
+    ta, tb = f"t_{cfg.streams[0]}", f"t_{cfg.streams[1]}"
+    w = f"interval {cfg.window_ms} milliseconds"
+    joined = a.join(
+        b,
+        F.expr(f"k_{cfg.streams[0]} = k_{cfg.streams[1]} AND {tb} BETWEEN {ta} - {w} AND {ta} + {w}"),
+    )
+    results = [0]
+
+    def count(df: Any, _batch_id: int) -> None:
+        results[0] += df.count()
+
+    total_messages = sum(end_offsets(cfg, bootstrap).values())
+    query = (
+        joined.writeStream.foreachBatch(count)
+        .option("checkpointLocation", str(work / "builtin-checkpoint"))
+        .trigger(processingTime="0 seconds")
+        .start()
+    )
+    deadline = time.monotonic() + 1800
+    try:
+        while _consumed(query.recentProgress) < total_messages:
+            if query.exception() is not None:
+                raise RuntimeError(f"the built-in join failed: {query.exception()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the built-in join did not catch up within 30 minutes")
+            time.sleep(0.5)
+        progress = [p for p in query.recentProgress if p["numInputRows"] > 0]
+    finally:
+        query.stop()
+        spark.stop()
+    first_start = min(_ms(p["timestamp"]) for p in progress)
+    last_end = max(_ms(p["timestamp"]) + p["durationMs"]["triggerExecution"] for p in progress)
+    span = (last_end - first_start) / 1000
+    tuples = cfg.generator.max_tuples or 0
+    say(f"built-in: {tuples:,} tuples in {span:.1f} s -> {tuples / span:,.0f} tuples/s")
+    return {
+        "tuples": tuples,
+        "seconds": round(span, 2),
+        "tuples_per_s": round(tuples / span, 1),
+        "batches": len(progress),
+        "results": results[0],
+    }
+
+
+def _ms(timestamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp() * 1000
+
+
+def _consumed(progress: list[dict[str, Any]]) -> int:
+    """Kafka messages the query has read, from the end offsets of its newest progress report."""
+    if not progress:
+        return 0
+    total = 0
+    for source in progress[-1]["sources"]:
+        end = source["endOffset"]
+        end = json.loads(end) if isinstance(end, str) else end
+        total += sum(int(o) for parts in end.values() for o in parts.values())
+    return total
+
+
+def measure_latency(cfg: Config, bootstrap: str, work: Path, say: Callable[[str], None]) -> dict[str, Any]:
+    """One instance, the generator in real time; percentiles over results after the first 15 s."""
+    pipeline = LocalPipeline(cfg, bootstrap, work)
+    follower = MetricsFollower(pipeline.cfg, bootstrap)
+    records: list[dict[str, Any]] = []
+    try:
+        pipeline.start_instance("instance-0", range(cfg.partitions))
+        _wait_for_log(pipeline, "instance-0", ": running", timeout_s=120)
+        pipeline.start_generator()
+        started_ms = time.time() * 1000
+        say(f"latency: {cfg.generator.duration_s:.0f} s of real-time input")
+        while pipeline.procs["generator"].poll() is None:
+            records.extend(follower.poll())
+            if pipeline.failed():
+                raise RuntimeError(f"a process failed: {pipeline.failed()}")
+        wait_drained(pipeline, timeout_s=300)
+        time.sleep(1.0)
+        records.extend(_drain(follower))
+    finally:
+        follower.close()
+        pipeline.stop()
+    steady = [
+        r
+        for r in records
+        if r.get("kind") == "batch" and r["time_ms"] >= started_ms + 15_000 and r["results"]
+    ]
+    p50, p99 = weighted_percentiles(steady, (50, 99))
+    tuples = sum(r["tuples_in"] for r in records if r.get("kind") == "batch")
+    say(f"latency: p50 {p50:.2f} s, p99 {p99:.2f} s over {len(steady)} batches")
+    return {"tuples": tuples, "batches": len(steady), "latency_p50_s": p50, "latency_p99_s": p99}
+
+
+def _wait_for_log(pipeline: LocalPipeline, name: str, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in (pipeline.work / f"{name}.log").read_text(errors="replace"):
+        if pipeline.failed():
+            raise RuntimeError(f"{name} failed:\n{pipeline.log_tail(name)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} did not start within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def run_throughput_bench(
+    cfg: Config,
+    tuples: int = 2_000_000,
+    repeats: int = 1,
+    latency_rate: float = 20_000,
+    latency_s: float = 60,
+    say: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run (a) `repeats` times and (b) once; return the summary (also written under reports/bench/)."""
+    from controller import kafka_runtime
+    from generator.producer import run_generator
+
+    started_broker = not cfg.bootstrap
+    bootstrap = cfg.bootstrap or kafka_runtime.start()
+    run_id = f"bench-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    out = Path("reports") / "bench" / run_id
+    work = Path(cfg.instance.work_dir).resolve() / run_id
+    ours, builtin = [], []
+    try:
+        for i in range(repeats):
+            c = catchup_config(cfg, f"{run_id}-catchup-{i}", tuples)
+            say(f"[{i + 1}/{repeats}] pre-loading {tuples:,} tuples into {', '.join(c.input_topics)}")
+            run_generator(c, bootstrap)
+            ours.append(measure_fluxjoin(c, bootstrap, work / f"catchup-{i}", say))
+            builtin.append(measure_builtin(c, bootstrap, work / f"catchup-{i}", say))
+        lat = measure_latency(
+            latency_config(cfg, f"{run_id}-latency", latency_rate, latency_s),
+            bootstrap,
+            work / "latency",
+            say,
+        )
+    finally:
+        if started_broker:
+            kafka_runtime.stop()
+    ours_rate = statistics.median(r["tuples_per_s"] for r in ours)
+    builtin_rate = statistics.median(r["tuples_per_s"] for r in builtin)
+    summary = {
+        "tuples_per_s": ours_rate,
+        "builtin_tuples_per_s": builtin_rate,
+        "ratio": round(ours_rate / builtin_rate, 2),
+        "latency_p50_s": lat["latency_p50_s"],
+        "latency_p99_s": lat["latency_p99_s"],
+        "exact": all(r["exact"] for r in ours),
+        "tuples": tuples,
+        "repeats": repeats,
+        "latency_rate": latency_rate,
+        "runs": {"fluxjoin": ours, "builtin": builtin, "latency": lat},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "throughput.json").write_text(json.dumps(summary, indent=2))
+    say(f"report: {out / 'throughput.json'}")
+    return summary
+
+
+# --- fluxjoin bench skew: static vs flux under skew that moves, each instance on a fixed CPU budget ---
+
+
+def skew_config(
+    base: Config, pipeline: str, rate: float, seconds: float, instances: int, cpu: float
+) -> Config:
+    """2-way, W = 10 s, P = 64; 20% of the pids carry 80% of the tuples and the hot pids change every
+    30 s; each instance runs on `cpu` cores (a cgroup quota), so skew cannot hide in shared cores."""
+    per_stream = rate / 2
+    return base.with_overrides(
+        pipeline=pipeline,
+        streams=["A", "B"],
+        window_ms=10_000,
+        partitions=64,
+        instances=instances,
+        **{
+            "generator.mode": "real_time",
+            "generator.duration_s": seconds,
+            "generator.max_tuples": None,
+            "generator.rate": {"kind": "constant", "rate": per_stream},
+            "generator.keys": {
+                "kind": "hot_pids",
+                "count": max(1024, int(per_stream * 10)),
+                "hot_fraction": 0.2,
+                "hot_share": 0.8,
+                "move_every_s": 30,
+            },
+            "instance.spark_master": "local[1]",
+            "instance.shuffle_partitions": 2,
+            "instance.trigger_ms": 500,
+            "instance.cpu_limit": cpu,
+        },
+    )
+
+
+def measure_skew_point(
+    cfg: Config, bootstrap: str, work: Path, policy: str, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """One rate under one policy: sustainable when the backlog left at the end of the input drains
+    within 10 s; latency percentiles over results after the first 20 s."""
+    from controller.runner import instance_names
+
+    pipeline = LocalPipeline(cfg, bootstrap, work)
+    follower = MetricsFollower(pipeline.cfg, bootstrap)
+    records: list[dict[str, Any]] = []
+    try:
+        pipeline.start_controller(policy=policy)
+        names = instance_names(cfg.instances)
+        for name in names:
+            pipeline.start_instance(name)
+        for name in names:
+            _wait_for_log(pipeline, name, ": running", timeout_s=300)
+        pipeline.start_generator()
+        started_ms = time.time() * 1000
+        while pipeline.procs["generator"].poll() is None:
+            records.extend(follower.poll())
+            if pipeline.failed():
+                raise RuntimeError(f"a process failed: {pipeline.failed()}")
+        input_end = time.monotonic()
+        wait_drained(pipeline, timeout_s=900)
+        drain_s = time.monotonic() - input_end
+        time.sleep(1.0)
+        records.extend(_drain(follower))
+    finally:
+        follower.close()
+        pipeline.stop()
+    moves = sum(1 for line in (work / "controller.log").read_text().splitlines() if line.endswith("started"))
+    steady = [r for r in records if r.get("kind") == "batch" and r["time_ms"] >= started_ms + 20_000]
+    p50, p99 = weighted_percentiles([r for r in steady if r["results"]], (50, 99))
+    point = {
+        "drain_s": round(drain_s, 1),
+        "sustained": drain_s <= 10.0,
+        "latency_p50_s": p50,
+        "latency_p99_s": p99,
+        "moves": moves,
+    }
+    say(f"skew: {policy} at {cfg.generator.rate.rate * 2:,.0f} tuples/s: {point}")  # type: ignore[union-attr]
+    return point
+
+
+def run_skew_bench(
+    cfg: Config,
+    rates: list[float],
+    seconds: float = 90,
+    instances: int = 4,
+    cpu: float = 0.45,
+    say: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Both policies at each rate (ascending), side by side; stops a policy at its first failed rate."""
+    from controller import kafka_runtime
+
+    started_broker = not cfg.bootstrap
+    bootstrap = cfg.bootstrap or kafka_runtime.start()
+    run_id = f"bench-skew-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    work = Path(cfg.instance.work_dir).resolve() / run_id
+    points: dict[str, dict[float, dict[str, Any]]] = {"static": {}, "flux": {}}
+    try:
+        for rate in sorted(rates):
+            for policy in ("static", "flux"):
+                earlier = points[policy]
+                if earlier and not earlier[max(earlier)]["sustained"]:
+                    continue
+                name = f"{run_id}-{policy}-{int(rate)}"
+                c = skew_config(cfg, name, rate, seconds, instances, cpu)
+                earlier[rate] = measure_skew_point(c, bootstrap, work / name, policy, say)
+    finally:
+        if started_broker:
+            kafka_runtime.stop()
+    summary: dict[str, Any] = {}
+    for policy, by_rate in points.items():
+        ok = [r for r, p in by_rate.items() if p["sustained"]]
+        best = max(ok) if ok else 0.0
+        at = by_rate.get(best, {})
+        summary[policy] = {
+            "sustainable_rate": best,
+            "latency_p50_s": at.get("latency_p50_s"),
+            "latency_p99_s": at.get("latency_p99_s"),
+            "points": {str(int(r)): p for r, p in sorted(by_rate.items())},
+        }
+    out = Path("reports") / "bench" / run_id
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "skew.json").write_text(json.dumps(summary, indent=2))
+    say(f"report: {out / 'skew.json'}")
+    return summary

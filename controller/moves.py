@@ -1,0 +1,382 @@
+"""Carries out pid moves through the control protocol (`pipeline/protocol.py`) on Kafka.
+
+`plan_step` is the whole protocol driver as a pure function: from the control view (newest assignment,
+acknowledgements, requests), the live instances and the requested moves, it computes the next assignment
+to publish, or None when nothing changes. It is level-triggered: the control log holds all the state, so
+a controller killed in the middle of a move continues it after a restart, and running a step twice
+publishes nothing new. `KafkaPidMover` wraps it with the Kafka reads and writes.
+
+Per move: (1) the pid goes in transit (no owner, `moving`), (2) once the source's `Released` is in the
+log it goes to the target with a `Handoff` (cutoff, snapshot), (3) once the target's `Acquired` is in the
+log the handoff is dropped. Dead instances (no heartbeat for the timeout) lose their pids to live ones by
+`replay` from their last committed offsets, and are listed as evicted until they return empty.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.assignment import Assignment, Move
+from controller.policies.base import InstanceStats
+from pipeline.config import Config
+from pipeline.control import ControlLog, publish
+from pipeline.protocol import (
+    AssignmentMsg,
+    ControlView,
+    Handoff,
+    Mode,
+    MoveRequestMsg,
+    MoveSpec,
+)
+
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """Which instances heartbeat (name -> incarnation), as the observer saw them."""
+
+    live: Mapping[str, str]
+    # Instances whose silence is confirmed (past the timeout, and past the controller's own start grace).
+    dead: frozenset[str]
+    # The last incarnation heard from each instance, live or dead (eviction names it).
+    incarnations: Mapping[str, str] = field(default_factory=dict)
+
+
+def plan_step(
+    view: ControlView,
+    liveness: Liveness,
+    requested: Sequence[MoveSpec],
+    committed: Callable[[str, int], Mapping[str, int] | None],
+    earliest: Callable[[int], Mapping[str, int]],
+) -> tuple[AssignmentMsg | None, list[str]]:
+    """The next assignment (None: nothing to publish) and what happened, as lines for the log.
+
+    `committed(instance, pid)` is the end offset the instance's newest commit marker records for the pid
+    (None if it never committed it); `earliest(pid)` the log start offsets, for pids nobody processed.
+    """
+    a = view.assignment
+    if a is None:
+        return None, []
+    owners = dict(a.owners)
+    moving = dict(a.moving)
+    handoffs = dict(a.handoffs)
+    evicted = list(a.evicted)
+    said: list[str] = []
+
+    for p, h in list(handoffs.items()):
+        if h.move_id in view.acquired:
+            del handoffs[p]
+            said.append(f"move {h.move_id}: pid {p} now processed by {owners.get(p)}")
+    for p, m in list(moving.items()):
+        released = view.released.get(m.move_id)
+        if released is not None:
+            del moving[p]
+            owners[p] = m.target
+            handoffs[p] = Handoff(
+                move_id=m.move_id, mode=m.mode, cutoff=released.cutoff, snapshot=released.snapshot
+            )
+            said.append(f"move {m.move_id}: pid {p} released by {m.source}, handed to {m.target}")
+
+    # Instances that return after eviction (a new incarnation) are members again, with no pids.
+    for entry in list(evicted):
+        name, _, incarnation = entry.partition("@")
+        if name in liveness.live and liveness.live[name] != incarnation:
+            evicted.remove(entry)
+            said.append(f"{name} rejoined as a new, empty instance")
+
+    involved = (
+        set(owners.values()) | {m.source for m in moving.values()} | {m.target for m in moving.values()}
+    )
+    dead = sorted(i for i in involved if i in liveness.dead)
+    if dead:
+        survivors = sorted(i for i in liveness.live if i not in dead and not _is_evicted(i, evicted))
+        if not survivors:
+            return _publish(a, owners, moving, handoffs, evicted, said)
+        load = {i: sum(1 for o in owners.values() if o == i) for i in survivors}
+
+        def least_loaded(avoid: str = "") -> str:
+            target = min(survivors, key=lambda i: (i == avoid, load[i], i))
+            load[target] += 1
+            return target
+
+        for d in dead:
+            for p, m in list(moving.items()):
+                if m.target == d:  # retarget: the source may release at any moment
+                    moving[p] = MoveSpec(
+                        move_id=m.move_id, pid=p, source=m.source, target=least_loaded(m.source), mode=m.mode
+                    )
+            lost = sorted(p for p, o in owners.items() if o == d)
+            lost += sorted(p for p, m in moving.items() if m.source == d)
+            for p in lost:
+                move = moving.pop(p, None)
+                target = least_loaded()
+                if p not in handoffs:  # a handoff never taken stays: the new target starts where it said
+                    cutoff = committed(d, p) or earliest(p)
+                    move_id = f"recover-{uuid.uuid4().hex[:8]}"
+                    handoffs[p] = Handoff(move_id=move_id, mode=Mode.REPLAY, cutoff=cutoff)
+                owners[p] = target
+                why = f" (its move {move.move_id} is abandoned)" if move else ""
+                said.append(f"{d} is dead: pid {p} recovered on {target} by replay{why}")
+            evicted.append(f"{d}@{liveness.incarnations.get(d, '?')}")
+
+    for m in requested:
+        p = m.pid
+        if owners.get(p) != m.source or p in moving or p in handoffs or m.move_id in view.started:
+            continue
+        if m.target in liveness.dead or m.target not in liveness.live:
+            said.append(f"move of pid {p} to {m.target} refused: {m.target} is not live")
+            continue
+        del owners[p]
+        moving[p] = m
+        said.append(f"move {m.move_id}: pid {p} {m.source} -> {m.target} ({m.mode.value}) started")
+    return _publish(a, owners, moving, handoffs, evicted, said)
+
+
+def _is_evicted(instance: str, evicted: list[str]) -> bool:
+    return any(e.partition("@")[0] == instance for e in evicted)
+
+
+def _publish(
+    a: AssignmentMsg,
+    owners: dict[int, str],
+    moving: dict[int, MoveSpec],
+    handoffs: dict[int, Handoff],
+    evicted: list[str],
+    said: list[str],
+) -> tuple[AssignmentMsg | None, list[str]]:
+    same = (
+        owners == dict(a.owners)
+        and moving == dict(a.moving)
+        and handoffs == dict(a.handoffs)
+        and tuple(evicted) == a.evicted
+    )
+    if same:
+        return None, said
+    return AssignmentMsg(
+        epoch=a.epoch + 1, owners=owners, moving=moving, handoffs=handoffs, evicted=tuple(evicted)
+    ), said
+
+
+class Observer:
+    """Tails the metrics topic: heartbeats (liveness) and per-batch records (load), from a minute ago."""
+
+    def __init__(
+        self, cfg: Config, bootstrap: str, heartbeat_timeout_s: float, clock: Callable[[], float]
+    ) -> None:
+        from confluent_kafka import Consumer, TopicPartition
+
+        self.clock = clock
+        self.timeout_s = heartbeat_timeout_s
+        self.started = clock()
+        self.seen: dict[str, tuple[float, str]] = {}  # instance -> (last heartbeat, incarnation)
+        self.batches: list[dict[str, Any]] = []
+        # read_uncommitted: heartbeats are not transactional, and a dead instance's open transaction on
+        # this topic must not hide the others' heartbeats (load figures from aborted batches are harmless).
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": "fluxjoin-unused",
+                "enable.auto.commit": False,
+                "isolation.level": "read_uncommitted",
+            }
+        )
+        since = int(time.time() * 1000) - 60_000
+        start = self._consumer.offsets_for_times([TopicPartition(cfg.metrics_topic, 0, since)], 30)
+        self._consumer.assign([TopicPartition(cfg.metrics_topic, 0, max(0, start[0].offset))])
+
+    def poll(self) -> None:
+        now_ms = time.time() * 1000
+        for msg in self._consumer.consume(num_messages=10_000, timeout=0.05):
+            if msg.error() is not None or msg.value() is None:
+                continue
+            record = json.loads(msg.value() or b"{}")
+            age_s = max(0.0, (now_ms - record.get("time_ms", now_ms)) / 1000)
+            if record.get("kind") == "heartbeat":
+                self.seen[record["instance"]] = (self.clock() - age_s, record["incarnation"])
+            elif record.get("kind") == "batch":
+                self.batches.append(record)
+        cutoff = now_ms - 120_000
+        if self.batches and self.batches[0]["time_ms"] < cutoff:
+            self.batches = [b for b in self.batches if b["time_ms"] >= cutoff]
+
+    def liveness(self) -> Liveness:
+        now = self.clock()
+        live = {i: inc for i, (t, inc) in self.seen.items() if now - t <= self.timeout_s}
+        grace_over = now - self.started > self.timeout_s
+        dead = frozenset(i for i in self.seen if i not in live) if grace_over else frozenset()
+        return Liveness(live, dead, {i: inc for i, (_, inc) in self.seen.items()})
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+class KafkaPidMover:
+    """The controller's hands: publishes assignments, requests moves, recovers dead instances."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        bootstrap: str,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        say: Callable[[str], None] = print,
+    ) -> None:
+        from confluent_kafka import Producer
+
+        self.cfg, self.bootstrap, self.say = cfg, bootstrap, say
+        self.log = ControlLog(bootstrap, cfg.control_topic)
+        self.observer = Observer(cfg, bootstrap, heartbeat_timeout_s, clock)
+        self._producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
+        self._requested: dict[str, MoveSpec] = {}
+        self._said_before: set[str] = set()
+
+    # --- the PidMover protocol of the Kubernetes operator ---
+
+    def assignment(self) -> Assignment | None:
+        a = self.log.catch_up().assignment
+        if a is None:
+            return None
+        return Assignment(epoch=a.epoch, owners={**a.owners, **{p: m.target for p, m in a.moving.items()}})
+
+    def start(self, initial: Assignment) -> None:
+        if self.log.catch_up().assignment is None:
+            self._publish(AssignmentMsg(epoch=0, owners=dict(initial.owners)))
+            self.say(f"epoch 0: {len(initial.owners)} pids over {len(initial.instances)} instances")
+
+    def request(self, moves: Sequence[Move]) -> None:
+        for move in moves:
+            spec = MoveSpec(
+                move_id=f"m-{uuid.uuid4().hex[:8]}",
+                pid=move.pid,
+                source=move.source,
+                target=move.target,
+                mode=move.mode,
+            )
+            if not any(s.pid == move.pid for s in self._requested.values()):
+                self._requested[spec.move_id] = spec
+        self.step()
+
+    def in_flight(self) -> Sequence[Move]:
+        a = self.log.catch_up().assignment
+        if a is None:
+            return []
+        moves = [Move(p, m.source, m.target, m.mode) for p, m in a.moving.items()]
+        moves += [Move(p, "?", a.owners[p], h.mode) for p, h in a.handoffs.items() if p in a.owners]
+        return moves
+
+    def ready_instances(self) -> set[str]:
+        self.observer.poll()
+        return set(self.observer.liveness().live)
+
+    def instance_stats(self, window_s: float = 10.0) -> Mapping[str, InstanceStats]:
+        """Busy fraction over the last `window_s` seconds and the state held, per reporting instance."""
+        since = time.time() * 1000 - window_s * 1000
+        busy: dict[str, float] = {}
+        state: dict[str, int] = {}
+        for b in self.observer.batches:
+            state[b["instance"]] = sum(p["state_bytes"] for p in b["pids"].values())
+            if b["time_ms"] >= since:
+                busy[b["instance"]] = busy.get(b["instance"], 0.0) + b["duration_s"]
+        return {
+            i: InstanceStats(
+                instance=i, busy_fraction=min(1.0, busy.get(i, 0.0) / window_s), state_bytes=state[i]
+            )
+            for i in sorted(state)
+        }
+
+    # --- driving ---
+
+    def step(self) -> list[str]:
+        """Read the log and the metrics, publish the next assignment if anything changed."""
+        self.observer.poll()
+        view = self.log.catch_up()
+        owners = view.assignment.owners if view.assignment else {}
+        requested = list(self._requested.values())
+        for request, pid in view.pending_requests():
+            source = owners.get(pid)
+            if source is not None and source != request.target:
+                requested.append(
+                    MoveSpec(
+                        move_id=request.move_id(pid),
+                        pid=pid,
+                        source=source,
+                        target=request.target,
+                        mode=request.mode,
+                    )
+                )
+        markers = self._newest_markers()
+
+        def committed(instance: str, pid: int) -> Mapping[str, int] | None:
+            offsets = markers.get(instance, {}).get("offsets", {})
+            if str(pid) not in offsets.get(self.cfg.streams[0], {}):
+                return None
+            return {s: int(offsets[s][str(pid)]) for s in self.cfg.streams}
+
+        msg, said = plan_step(view, self.observer.liveness(), requested, committed, self._earliest)
+        if msg is not None:
+            self._publish(msg)
+        started = {m.move_id for m in msg.moving.values()} if msg else set()
+        self._requested = {
+            k: v for k, v in self._requested.items() if k not in started and k not in view.started
+        }
+        fresh = [line for line in said if line not in self._said_before]
+        self._said_before = set(said)  # a refusal repeats every step while it holds; say it once
+        for line in fresh:
+            self.say(line)
+        return fresh
+
+    def _publish(self, msg: AssignmentMsg | MoveRequestMsg) -> None:
+        publish(self._producer, self.cfg.control_topic, msg)
+        if self._producer.flush(30):
+            raise RuntimeError("control message not acknowledged within 30 s")
+        self.log.catch_up()
+
+    def _newest_markers(self) -> dict[str, dict[str, Any]]:
+        """Each instance's newest commit marker (only read when an instance is dead)."""
+        from pipeline.topics import read_topic
+
+        if not self.observer.liveness().dead:
+            return {}
+        newest: dict[str, dict[str, Any]] = {}
+        for _, _, value in read_topic(self.bootstrap, self.cfg.sink_commits_topic):
+            marker = json.loads(value)
+            newest[marker["instance"]] = marker
+        return newest
+
+    def _earliest(self, pid: int) -> Mapping[str, int]:
+        from confluent_kafka import TopicPartition
+        from confluent_kafka.admin import OffsetSpec
+
+        from pipeline.topics import admin_client
+
+        request = {
+            TopicPartition(self.cfg.input_topic(s), pid): OffsetSpec.earliest() for s in self.cfg.streams
+        }
+        found = admin_client(self.bootstrap).list_offsets(request, request_timeout=30)
+        stream_of = {self.cfg.input_topic(s): s for s in self.cfg.streams}
+        return {stream_of[tp.topic]: fut.result().offset for tp, fut in found.items()}
+
+    def close(self) -> None:
+        self.observer.close()
+        self.log.close()
+        self._producer.flush(10)
+
+
+def request_moves(
+    cfg: Config, bootstrap: str, pids: Sequence[int], target: str, mode: Mode
+) -> MoveRequestMsg:
+    """Ask the running controller for moves (what `fluxjoin move` does)."""
+    from confluent_kafka import Producer
+
+    msg = MoveRequestMsg(request_id=f"req-{uuid.uuid4().hex[:8]}", pids=tuple(pids), target=target, mode=mode)
+    producer = Producer({"bootstrap.servers": bootstrap})
+    publish(producer, cfg.control_topic, msg)
+    if producer.flush(30):
+        raise RuntimeError("the move request was not acknowledged by Kafka within 30 s")
+    return msg

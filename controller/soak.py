@@ -1,0 +1,161 @@
+"""Random moves and kills against a running local pipeline, then the oracle's verdict.
+
+Shared by the integration test (`tests/integration/test_moves.py`, about 20 moves) and
+`fluxjoin bench soak` (100+ moves): rounds of `fluxjoin move` requests in alternating handoff modes under
+continuous input; in some rounds the controller is killed with SIGKILL as soon as the move has started
+(a new controller must finish it), in others an instance is killed with SIGKILL (the controller recovers
+its pids by replay; the instance restarts empty).
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from controller.local import LocalPipeline, wait_drained
+from controller.moves import request_moves
+from controller.runner import instance_names
+from pipeline.config import Config
+from pipeline.control import ControlLog
+from pipeline.oracle import VerifyReport, verify_pipeline
+from pipeline.protocol import ControlView, Mode
+
+
+@dataclass(frozen=True)
+class SoakPlan:
+    moves: int = 20
+    pids_per_round: int = 2
+    kill_controller_every: int = 5  # rounds; 0: never
+    kill_instance_every: int = 8
+    heartbeat_timeout_s: float = 6.0
+    seed: int = 7
+
+
+def soak_config(base: Config, pipeline: str, seconds: float) -> Config:
+    """A small 2-way pipeline (P = 8, 3 instances) that keeps input flowing for `seconds`."""
+    return base.with_overrides(
+        pipeline=pipeline,
+        streams=["A", "B"],
+        partitions=8,
+        instances=3,
+        window_ms=3000,
+        allowed_lateness_ms=1000,
+        **{
+            "generator.mode": "real_time",
+            "generator.duration_s": seconds,
+            "generator.max_tuples": None,
+            "generator.rate": {"kind": "constant", "rate": 800},
+            "generator.keys": {"kind": "uniform", "count": 3000},
+            "generator.tuples_per_message": 32,
+            "instance.trigger_ms": 200,
+            "instance.max_rows_per_batch": 20000,
+            "instance.spark_master": "local[1]",
+            "instance.shuffle_partitions": 2,
+        },
+    )
+
+
+class _Watch:
+    def __init__(self, pipeline: LocalPipeline) -> None:
+        self.pipeline = pipeline
+        self.log = ControlLog(pipeline.bootstrap, pipeline.cfg.control_topic)
+
+    def until(self, ok: Callable[[ControlView], bool], timeout_s: float, what: str) -> ControlView:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            view = self.log.catch_up()
+            if ok(view):
+                return view
+            crashed = {n: c for n, c in self.pipeline.failed().items() if n != "generator"}
+            if crashed:
+                name = next(iter(crashed))
+                raise RuntimeError(f"{name} exited with {crashed[name]}:\n{self.pipeline.log_tail(name, 40)}")
+            if time.monotonic() > deadline:
+                tail = self.pipeline.log_tail("controller", 30)
+                raise TimeoutError(f"timed out waiting for {what}; controller log:\n{tail}")
+            time.sleep(0.3)
+
+
+def _started(move_ids: set[str]) -> Callable[[ControlView], bool]:
+    return lambda v: move_ids <= v.started
+
+
+def _acquired(move_ids: set[str]) -> Callable[[ControlView], bool]:
+    return lambda v: move_ids <= set(v.acquired)
+
+
+def _evicted(name: str) -> Callable[[ControlView], bool]:
+    return lambda v: v.assignment is not None and any(e.startswith(f"{name}@") for e in v.assignment.evicted)
+
+
+def _rejoined(name: str) -> Callable[[ControlView], bool]:
+    return lambda v: v.assignment is not None and not _evicted(name)(v)
+
+
+def run_soak(
+    cfg: Config, bootstrap: str, work: Path, plan: SoakPlan, say: Callable[[str], None] = print
+) -> tuple[VerifyReport, dict[str, Any]]:
+    """Run the plan on a fresh pipeline; returns the oracle's report and counts of what was done."""
+    rng = random.Random(plan.seed)
+    say(f"soak: seed {plan.seed}, pipeline {cfg.pipeline}, {plan.moves} moves")
+    pipeline = LocalPipeline(cfg, bootstrap, work)
+    watch = _Watch(pipeline)
+    names = instance_names(cfg.instances)
+    done = {"moves": 0, "controller_kills": 0, "instance_kills": 0, "rounds": 0}
+    modes = [Mode.TRANSFER, Mode.REPLAY]
+
+    def start_controller() -> None:
+        pipeline.start_controller(policy="static", heartbeat_timeout_s=plan.heartbeat_timeout_s)
+
+    try:
+        start_controller()
+        for name in names:
+            pipeline.start_instance(name)
+        watch.until(lambda v: v.assignment is not None, 60, "epoch 0")
+        pipeline.start_generator()
+        while done["moves"] < plan.moves:
+            done["rounds"] += 1
+            round_no = done["rounds"]
+            view = watch.log.catch_up()
+            assert view.assignment is not None
+            owners = view.assignment.owners
+            target = rng.choice(names)
+            pids = [p for p in rng.sample(sorted(owners), plan.pids_per_round) if owners[p] != target]
+            if not pids:
+                continue
+            mode = modes[round_no % len(modes)]
+            request = request_moves(cfg, bootstrap, pids, target, mode)
+            if plan.kill_controller_every and round_no % plan.kill_controller_every == 0:
+                first = request.move_id(pids[0])
+                watch.until(_started({first}), 60, "the move to start")
+                pipeline.kill("controller", signal.SIGKILL)
+                start_controller()
+                done["controller_kills"] += 1
+            ids = {request.move_id(p) for p in pids}
+            watch.until(_acquired(ids), 180, f"moves {pids} -> {target} ({mode.value})")
+            done["moves"] += len(pids)
+            say(f"soak: round {round_no}: pids {pids} -> {target} ({mode.value}); {done['moves']} moves done")
+            if plan.kill_instance_every and round_no % plan.kill_instance_every == 0:
+                victim = rng.choice(names)
+                pipeline.kill(victim, signal.SIGKILL)
+                done["instance_kills"] += 1
+
+                watch.until(_evicted(victim), 90, f"the recovery of {victim}")
+                pipeline.start_instance(victim)
+                watch.until(_rejoined(victim), 120, f"{victim} rejoining")
+                say(f"soak: {victim} killed, its pids recovered, rejoined empty")
+        say("soak: waiting for the input to end and drain")
+        generator = pipeline.procs["generator"]
+        if generator.wait((cfg.generator.duration_s or 0) + 600) != 0:
+            raise RuntimeError(f"the generator failed:\n{pipeline.log_tail('generator')}")
+        wait_drained(pipeline, timeout_s=600)
+    finally:
+        watch.log.close()
+        pipeline.stop()
+    say("soak: verifying against the oracle")
+    return verify_pipeline(pipeline.cfg, bootstrap), done

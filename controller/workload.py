@@ -1,0 +1,458 @@
+"""What the operator asks Kubernetes for: a JoinPipeline read into a spec, the objects it owns, its status.
+
+Pure: every function here takes observed values and returns plain JSON-ready dicts (the shape the API
+server sends and accepts), so that the reconcile loop in `controller/operator.py` only compares and sends
+them, and so that re-rendering from unchanged inputs gives an identical object (no write is needed).
+
+Owned objects, all named after the pipeline and labelled with `fluxjoin.io/pipeline`:
+- a StatefulSet of join instances (pod `<name>-<ordinal>` is instance `<name>-<ordinal>`), each with a
+  PersistentVolumeClaim `checkpoint-<name>-<ordinal>` for its Spark checkpoint;
+- a headless Service giving the instance pods stable DNS names.
+
+This module must not call the API server or the `PidMover`; it knows the CRD's field names and nothing
+about how a move is carried out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.assignment import Assignment, HandoffMode, Move
+from controller.policies.base import InstanceStats
+from controller.scaling import Plan, StepKind, instance_name, ordinal_of
+from pipeline.config import Config, InstanceConfig
+
+GROUP, VERSION, PLURAL, KIND = "fluxjoin.io", "v1alpha1", "joinpipelines", "JoinPipeline"
+API_VERSION = f"{GROUP}/{VERSION}"
+FINALIZER = "fluxjoin.io/cleanup"
+FIELD_MANAGER = "fluxjoin-operator"
+PIPELINE_LABEL = "fluxjoin.io/pipeline"
+SPEC_HASH_ANNOTATION = "fluxjoin.io/spec-hash"
+CHECKPOINT_VOLUME = "checkpoint"
+WORK_DIR = "/var/lib/fluxjoin/work"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineSpec:
+    """One JoinPipeline as the operator and a `PidMover` need it; defaults are the CRD's.
+
+    The API server fills in the CRD's defaults, so they matter here only for objects written before a
+    field existed.
+    """
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    streams: tuple[str, ...]
+    window_ms: int
+    allowed_lateness_ms: int
+    partitions: int
+    replicas: int
+    handoff_mode: HandoffMode
+    bootstrap_servers: str
+    topic_prefix: str
+    instance: InstanceConfig = field(default_factory=InstanceConfig)
+    image: str | None = None
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    checkpoint_size: str = "5Gi"
+    storage_class: str | None = None
+
+    @classmethod
+    def from_object(cls, obj: Mapping[str, Any]) -> PipelineSpec:
+        meta, spec = obj["metadata"], obj.get("spec", {})
+        instance = spec.get("instance", {})
+        checkpoint = spec.get("checkpoint", {})
+        kafka = spec["kafka"]
+        mode = spec.get("handoffMode", HandoffMode.TRANSFER.value)
+        supported = [m.value for m in HandoffMode]
+        if mode not in supported:
+            raise ValueError(
+                f"spec.handoffMode {mode!r} is not supported by this operator: use one of {supported}"
+            )
+        return cls(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta["uid"],
+            generation=int(meta.get("generation", 0)),
+            streams=tuple(spec.get("streams", ("A", "B", "C"))),
+            window_ms=int(spec.get("windowMs", 10_000)),
+            allowed_lateness_ms=int(spec.get("allowedLatenessMs", 2_000)),
+            partitions=int(spec.get("partitions", 64)),
+            replicas=int(spec.get("replicas", 3)),
+            handoff_mode=HandoffMode(mode),
+            bootstrap_servers=kafka["bootstrapServers"],
+            topic_prefix=kafka.get("topicPrefix") or meta["name"],
+            instance=InstanceConfig(
+                trigger_ms=int(instance.get("triggerMs", 500)),
+                max_rows_per_batch=int(instance.get("maxRowsPerBatch", 200_000)),
+                shuffle_partitions=int(instance.get("shufflePartitions", 4)),
+                spark_master=instance.get("sparkMaster", "local[2]"),
+                driver_memory=instance.get("driverMemory", "1g"),
+                work_dir=WORK_DIR,
+            ),
+            image=spec.get("image"),
+            resources=spec.get("resources", {}),
+            checkpoint_size=str(checkpoint.get("size", "5Gi")),
+            storage_class=checkpoint.get("storageClassName") or None,
+        )
+
+    def to_config(self) -> Config:
+        """The pipeline in the configuration schema every `fluxjoin` process shares (topic names included)."""
+        return Config(
+            pipeline=self.topic_prefix,
+            bootstrap=self.bootstrap_servers,
+            streams=list(self.streams),
+            window_ms=self.window_ms,
+            allowed_lateness_ms=self.allowed_lateness_ms,
+            partitions=self.partitions,
+            instances=self.replicas,
+            instance=self.instance,
+        )
+
+    def instances(self, width: int) -> list[str]:
+        """Instance ids of ordinals 0..width-1."""
+        return [instance_name(self.name, ordinal) for ordinal in range(width)]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InstanceSettings:
+    """How instance pods are run, from the operator's own Deployment (the chart's FLUXJOIN_* variables)."""
+
+    image: str | None = None
+    pull_policy: str = "IfNotPresent"
+    pull_secrets: tuple[str, ...] = ()
+    metrics_port: int = 9108
+    scrape_annotations: bool = True
+
+
+def selector_labels(pipeline: str) -> dict[str, str]:
+    """The labels that select a pipeline's instance pods (and their checkpoint volumes)."""
+    return {
+        "app.kubernetes.io/name": "fluxjoin",
+        "app.kubernetes.io/component": "instance",
+        PIPELINE_LABEL: pipeline,
+    }
+
+
+def selector_string(pipeline: str) -> str:
+    """The selector in `kubectl -l` form, for status.selector (the scale subresource's labelSelectorPath)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(pipeline).items()))
+
+
+def _labels(pipeline: str) -> dict[str, str]:
+    return {
+        **selector_labels(pipeline),
+        "app.kubernetes.io/part-of": "fluxjoin",
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+    }
+
+
+def owner_reference(spec: PipelineSpec) -> dict[str, Any]:
+    """Makes the pipeline the controller of what it owns (cluster garbage collection, `kubectl describe`)."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": spec.name,
+        "uid": spec.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _with_hash(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Stamp the manifest with a hash of everything but spec.replicas, so a changed template is seen
+    by comparing one annotation, and a scale step alone by comparing replicas."""
+    spec = {k: v for k, v in manifest["spec"].items() if k != "replicas"}
+    digest = hashlib.sha256(json.dumps([manifest["metadata"], spec], sort_keys=True).encode()).hexdigest()[
+        :16
+    ]
+    manifest["metadata"].setdefault("annotations", {})[SPEC_HASH_ANNOTATION] = digest
+    return manifest
+
+
+def _metadata(spec: PipelineSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "namespace": spec.namespace,
+        "labels": _labels(spec.name),
+        "ownerReferences": [owner_reference(spec)],
+    }
+
+
+def instance_args(spec: PipelineSpec) -> list[str]:
+    """`fluxjoin instance` arguments for every pod of the StatefulSet.
+
+    The pod template is shared by all ordinals and must not change when pids move (a change would restart
+    every instance), so it carries the pipeline's configuration but no pids: an instance learns the pids
+    it owns from the control topic. `instances=1` because each process is one instance; how many run is
+    the StatefulSet's business.
+    """
+    cfg = spec.instance
+    settings = {
+        "pipeline": spec.topic_prefix,
+        "streams": f"[{','.join(spec.streams)}]",
+        "window_ms": spec.window_ms,
+        "allowed_lateness_ms": spec.allowed_lateness_ms,
+        "partitions": spec.partitions,
+        "instances": 1,
+        "instance.trigger_ms": cfg.trigger_ms,
+        "instance.max_rows_per_batch": cfg.max_rows_per_batch,
+        "instance.shuffle_partitions": cfg.shuffle_partitions,
+        "instance.spark_master": cfg.spark_master,
+        "instance.driver_memory": cfg.driver_memory,
+        "instance.work_dir": cfg.work_dir,
+    }
+    args = ["instance", "--name", "$(FLUXJOIN_POD_NAME)", "--bootstrap", spec.bootstrap_servers]
+    for key, value in settings.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -> dict[str, Any]:
+    """The instance StatefulSet with `replicas` pods; ValueError when no image is known."""
+    image = spec.image or settings.image
+    if not image:
+        raise ValueError(
+            "no image for the join instances: set spec.image or run the operator with --instance-image"
+        )
+    labels = _labels(spec.name)
+    annotations = (
+        {"prometheus.io/scrape": "true", "prometheus.io/port": str(settings.metrics_port),
+         "prometheus.io/path": "/metrics"}
+        if settings.scrape_annotations else {}
+    )  # fmt: skip
+    container: dict[str, Any] = {
+        "name": "instance",
+        "image": image,
+        "imagePullPolicy": settings.pull_policy,
+        "args": instance_args(spec),
+        "env": [
+            {"name": "FLUXJOIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "FLUXJOIN_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        ],
+        "ports": [{"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"}],
+        "resources": dict(spec.resources),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": CHECKPOINT_VOLUME, "mountPath": WORK_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
+            "fsGroup": 10001,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+    }
+    if settings.pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in settings.pull_secrets]
+    claim_spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": spec.checkpoint_size}},
+    }
+    if spec.storage_class:
+        claim_spec["storageClassName"] = spec.storage_class
+    return _with_hash(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": _metadata(spec),
+            "spec": {
+                "replicas": replicas,
+                "serviceName": spec.name,
+                # Pods of a scale step start together; the operator, not pod order, decides who owns what.
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": selector_labels(spec.name)},
+                # A removed instance's checkpoint holds offsets of pids it no longer owns: never reuse it.
+                "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Delete"},
+                "template": {
+                    "metadata": {"labels": labels, **({"annotations": annotations} if annotations else {})},
+                    "spec": pod_spec,
+                },
+                "volumeClaimTemplates": [
+                    {"metadata": {"name": CHECKPOINT_VOLUME, "labels": labels}, "spec": claim_spec}
+                ],
+            },
+        }
+    )
+
+
+def service(spec: PipelineSpec, settings: InstanceSettings) -> dict[str, Any]:
+    """The headless Service that gives each instance pod a stable DNS name (the StatefulSet's serviceName)."""
+    return _with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(spec),
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": selector_labels(spec.name),
+                "ports": [
+                    {
+                        "name": "metrics",
+                        "port": settings.metrics_port,
+                        "targetPort": "metrics",
+                        "protocol": "TCP",
+                    }
+                ],
+            },
+        }
+    )
+
+
+def checkpoint_claim_ordinal(pipeline: str, claim_name: str) -> int | None:
+    """The ordinal of a checkpoint volume `checkpoint-<pipeline>-<ordinal>`, None for any other claim."""
+    prefix = f"{CHECKPOINT_VOLUME}-"
+    if not claim_name.startswith(prefix):
+        return None
+    try:
+        return ordinal_of(pipeline, claim_name[len(prefix) :])
+    except ValueError:
+        return None
+
+
+def format_pids(pids: Iterable[int]) -> str:
+    """Pids as ranges and single pids, ascending: (0, 1, 2, 5, 7, 8) -> '0-2,5,7-8'."""
+    ordered = sorted(set(pids))
+    parts: list[str] = []
+    start = 0
+    while start < len(ordered):
+        end = start
+        while end + 1 < len(ordered) and ordered[end + 1] == ordered[end] + 1:
+            end += 1
+        first, last = ordered[start], ordered[end]
+        parts.append(str(first) if first == last else f"{first}-{last}")
+        start = end + 1
+    return ",".join(parts)
+
+
+def _move_key(move: Mapping[str, Any]) -> tuple[int, str, str]:
+    return (int(move["pid"]), str(move["from"]), str(move["to"]))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Observed:
+    """What one reconcile saw after it acted: the inputs of `render_status`.
+
+    plan: the plan for the state after the action (what the pipeline waits for now); decision: what
+    this round did, None when it did nothing (status.lastDecision then keeps the previous one).
+    """
+
+    spec: PipelineSpec
+    plan: Plan
+    decision: str | None
+    statefulset_replicas: int  # the plan's width, never below replicas or an owner's ordinal + 1
+    assignment: Assignment | None
+    in_flight: Sequence[Move]
+    ready: Collection[str]
+    stats: Mapping[str, InstanceStats]
+
+
+def ready_reason(observed: Observed) -> tuple[bool, str]:
+    """The Ready condition's status and reason (the STATUS column of `kubectl get jp`).
+
+    Ready means every wanted instance exists, owns pids and reports ready, and no extra instance is left;
+    the reason says what is going on either way (moves between ready instances keep Ready true).
+    """
+    spec, plan, assignment = observed.spec, observed.plan, observed.assignment
+    if assignment is None or plan.kind is StepKind.START:
+        return False, "Starting"
+    owners = set(assignment.owners.values())
+    wanted = spec.instances(spec.replicas)
+    if observed.statefulset_replicas > spec.replicas:
+        return False, "ScalingIn"
+    if any(name not in owners for name in wanted):
+        return False, "ScalingOut"
+    if any(name not in observed.ready for name in wanted):
+        return False, "InstancesNotReady"
+    return True, "MovingPids" if observed.in_flight else "Running"
+
+
+def ready_condition(
+    ready: bool, reason: str, message: str, generation: int, previous: Mapping[str, Any], now: str
+) -> dict[str, Any]:
+    """The Ready condition; lastTransitionTime moves only when its status changes."""
+    status = "True" if ready else "False"
+    since = now
+    for old in previous.get("conditions", []):
+        if old.get("type") == "Ready" and old.get("status") == status:
+            since = old.get("lastTransitionTime", now)
+    return {
+        "type": "Ready",
+        "status": status,
+        "observedGeneration": generation,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+    }
+
+
+def failure_status(generation: int, message: str, previous: Mapping[str, Any], now: str) -> dict[str, Any]:
+    """The status fields a failed reconcile changes: everything else keeps what was last observed."""
+    return {
+        "lastDecision": message,
+        "conditions": [ready_condition(False, "ReconcileFailed", message, generation, previous, now)],
+    }
+
+
+def render_status(observed: Observed, previous: Mapping[str, Any], now: str) -> dict[str, Any]:
+    """The status subresource for what was observed; `previous` supplies the times that must not change
+    while nothing changes (a move's startedAt, the Ready condition's lastTransitionTime)."""
+    spec, assignment = observed.spec, observed.assignment
+    status: dict[str, Any] = {
+        "observedGeneration": spec.generation,
+        "replicas": observed.statefulset_replicas,
+        "selector": selector_string(spec.name),
+    }
+    holdings = assignment.by_instance() if assignment is not None else {}
+    if assignment is not None:
+        status["epoch"] = assignment.epoch
+        status["assignment"] = [
+            {"instance": name, "pids": format_pids(pids), "count": len(pids)}
+            for name, pids in sorted(holdings.items(), key=lambda item: ordinal_of(spec.name, item[0]))
+        ]
+    status["readyReplicas"] = sum(1 for name in holdings if name in observed.ready)
+
+    started = {_move_key(m): m.get("startedAt", now) for m in previous.get("moves", [])}
+    moves = []
+    for move in sorted(observed.in_flight, key=lambda m: m.pid):
+        entry: dict[str, Any] = {"pid": move.pid, "from": move.source, "to": move.target}
+        entry["mode"] = move.mode.value
+        entry["startedAt"] = started.get(_move_key(entry), now)
+        moves.append(entry)
+    status["movesInFlight"] = len(moves)
+    status["moves"] = moves
+
+    instances = []
+    for name in spec.instances(observed.statefulset_replicas):
+        entry = {"name": name, "ready": name in observed.ready, "pids": len(holdings.get(name, ()))}
+        stats = observed.stats.get(name)
+        if stats is not None:
+            entry["load"] = stats.busy_fraction
+            entry["stateBytes"] = stats.state_bytes
+        instances.append(entry)
+    status["instances"] = instances
+
+    status["lastDecision"] = observed.decision or previous.get("lastDecision") or observed.plan.reason
+    ready, reason = ready_reason(observed)
+    status["conditions"] = [
+        ready_condition(ready, reason, observed.plan.reason, spec.generation, previous, now)
+    ]
+    return status

@@ -1,0 +1,41 @@
+"""The one fluxjoin image builds on the local Docker engine and its entry point works."""
+
+from __future__ import annotations
+
+import subprocess
+
+from tests.k8s.cluster import REPO
+
+TAG = "fluxjoin:test"
+
+
+def test_image_builds_and_runs_the_cli_as_a_non_root_user() -> None:
+    build = subprocess.run(["docker", "build", "-t", TAG, str(REPO)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    run = subprocess.run(
+        ["docker", "run", "--rm", TAG, "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    for command in ("demo", "instance", "controller", "operator", "generate", "verify"):
+        assert command in run.stdout
+    user = subprocess.run(
+        ["docker", "run", "--rm", "--entrypoint", "id", TAG, "-u"], capture_output=True, text=True, timeout=60
+    )
+    assert user.stdout.strip() == "10001"
+    tools = subprocess.run(
+        [
+            "docker",
+            "run",
+            "--rm",
+            "--entrypoint",
+            "sh",
+            TAG,
+            "-c",
+            "command -v gcc pip3 apt-get; java -version",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "gcc" not in tools.stdout and "pip3" not in tools.stdout, "no build tools in the final image"
+    assert "openjdk" in tools.stderr.lower()

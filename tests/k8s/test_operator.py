@@ -1,0 +1,747 @@
+"""The JoinPipeline operator against a real kube-apiserver: owned objects, status, scaling in both
+directions, deletion, leader election and the chart's RBAC.
+
+Moves are carried out by `RecordingMover`, an in-memory `PidMover` the tests drive by hand (which
+instances are ready, when moves complete); these tests check the Kubernetes side, not the moves. The
+reconcile loop runs one round at a time (`reconcile_once`, `step`), except in the one test of `run()`.
+There is no controller-manager: StatefulSets never create pods or volumes, so the tests create the
+checkpoint volumes themselves where it matters.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from controller.assignment import Assignment, HandoffMode, Move
+from controller.cli import app
+from controller.operator import LeaseElector, Operator, OperatorOptions, PidMover, serve_health
+from controller.policies.base import InstanceStats
+from controller.workload import FINALIZER, InstanceSettings, PipelineSpec
+from tests.k8s.cluster import REPO, KubeCluster, free_port
+
+CHART = REPO / "charts" / "fluxjoin"
+CRD_FILE = CHART / "crds" / "joinpipelines.fluxjoin.io.yaml"
+GROUP, VERSION, PLURAL = "fluxjoin.io", "v1alpha1", "joinpipelines"
+SETTINGS = InstanceSettings(image="registry.example.com/fluxjoin:0.1.0", pull_secrets=("registry",))
+
+
+@dataclass
+class RecordingMover:
+    """A `PidMover` whose moves complete and whose instances become ready when the test says so."""
+
+    spec: PipelineSpec
+    current: Assignment | None = None
+    moving: list[Move] = field(default_factory=list)
+    ready: set[str] = field(default_factory=set)
+    stats: dict[str, InstanceStats] = field(default_factory=dict)
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+    ticks: int = 0
+    closed: bool = False
+
+    def assignment(self) -> Assignment | None:
+        return self.current
+
+    def start(self, initial: Assignment) -> None:
+        self.calls.append(("start", initial))
+        if self.current is None:
+            self.current = initial
+
+    def request(self, moves: Sequence[Move]) -> None:
+        self.calls.append(("request", tuple(moves)))
+        self.moving.extend(m for m in moves if m not in self.moving)
+
+    def in_flight(self) -> Sequence[Move]:
+        return tuple(self.moving)
+
+    def ready_instances(self) -> set[str]:
+        return set(self.ready)
+
+    def step(self) -> None:
+        self.ticks += 1
+
+    def instance_stats(self) -> Mapping[str, InstanceStats]:
+        return self.stats
+
+    def close(self) -> None:
+        self.closed = True
+
+    def complete(self) -> None:
+        assert self.current is not None
+        self.current = self.current.with_moves(self.moving)
+        self.moving.clear()
+
+
+class Movers:
+    """The operator's mover factory: one RecordingMover per pipeline name, kept for the test to drive."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, RecordingMover] = {}
+
+    def __call__(self, spec: PipelineSpec) -> PidMover:
+        self.by_name[spec.name] = RecordingMover(spec)
+        return self.by_name[spec.name]
+
+
+@pytest.fixture(scope="session")
+def crd(kube: KubeCluster) -> Iterator[None]:
+    kube.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
+    kube.kubectl("wait", "--for=condition=Established", "crd/joinpipelines.fluxjoin.io", "--timeout=60s")
+    yield
+
+
+@pytest.fixture
+def movers() -> Movers:
+    return Movers()
+
+
+@pytest.fixture
+def operator(kube: KubeCluster, namespace: str, crd: None, movers: Movers) -> Operator:
+    return Operator(kube.api_client, namespace, movers, SETTINGS)
+
+
+def _pipeline(name: str, **spec: Any) -> str:
+    body = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "JoinPipeline",
+        "metadata": {"name": name},
+        "spec": {"kafka": {"bootstrapServers": "kafka.kafka.svc:9092"}, **spec},
+    }
+    return yaml.safe_dump(body)
+
+
+def _apply(kube: KubeCluster, namespace: str, name: str, **spec: Any) -> None:
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=_pipeline(name, **spec))
+
+
+def _plain(kube: KubeCluster, obj: object) -> dict[str, Any]:
+    plain = kube.api_client.sanitize_for_serialization(obj)
+    assert isinstance(plain, dict)
+    return plain
+
+
+def _jp(kube: KubeCluster, namespace: str, name: str = "x") -> dict[str, Any]:
+    custom = kubernetes.client.CustomObjectsApi(kube.api_client)
+    return _plain(kube, custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
+
+
+def _sts(kube: KubeCluster, namespace: str, name: str = "x") -> dict[str, Any]:
+    return _plain(
+        kube, kubernetes.client.AppsV1Api(kube.api_client).read_namespaced_stateful_set(name, namespace)
+    )
+
+
+def _svc(kube: KubeCluster, namespace: str, name: str = "x") -> dict[str, Any]:
+    return _plain(kube, kubernetes.client.CoreV1Api(kube.api_client).read_namespaced_service(name, namespace))
+
+
+def _missing(read: Callable[[], object]) -> bool:
+    try:
+        read()
+    except kubernetes.client.ApiException as exc:
+        return exc.status == 404
+    return False
+
+
+def _events(kube: KubeCluster, namespace: str, name: str = "x") -> list[tuple[str, str]]:
+    """(reason, message) of the events on pipeline `name`, oldest first."""
+    found = kubernetes.client.CoreV1Api(kube.api_client).list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name},involvedObject.kind=JoinPipeline"
+    )
+    items = sorted(_plain(kube, found)["items"], key=lambda e: int(e["metadata"]["resourceVersion"]))
+    return [(e["reason"], e["message"]) for e in items]  # in creation order
+
+
+def _reasons(kube: KubeCluster, namespace: str, name: str = "x") -> list[str]:
+    return [reason for reason, _ in _events(kube, namespace, name)]
+
+
+def _versions(kube: KubeCluster, namespace: str) -> tuple[str, str, str]:
+    return (
+        _jp(kube, namespace)["metadata"]["resourceVersion"],
+        _sts(kube, namespace)["metadata"]["resourceVersion"],
+        _svc(kube, namespace)["metadata"]["resourceVersion"],
+    )
+
+
+def _ready(status: dict[str, Any]) -> tuple[str, str]:
+    (condition,) = status["conditions"]
+    assert condition["type"] == "Ready"
+    return condition["status"], condition["reason"]
+
+
+def _claim(kube: KubeCluster, namespace: str, name: str, pipeline: str = "x") -> None:
+    """A checkpoint volume as the StatefulSet controller would make it (labels from the claim template)."""
+    labels = _sts(kube, namespace, pipeline)["spec"]["volumeClaimTemplates"][0]["metadata"]["labels"]
+    body = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=yaml.safe_dump(body))
+
+
+def _claims(kube: KubeCluster, namespace: str) -> dict[str, bool]:
+    """Checkpoint volume name -> whether it is being deleted (kept by pvc-protection without a
+    controller-manager)."""
+    found = kubernetes.client.CoreV1Api(kube.api_client).list_namespaced_persistent_volume_claim(namespace)
+    return {c["metadata"]["name"]: "deletionTimestamp" in c["metadata"] for c in _plain(kube, found)["items"]}
+
+
+# --- create ---
+
+
+def test_a_new_pipeline_gets_its_statefulset_service_and_status(
+    kube: KubeCluster, namespace: str, operator: Operator, movers: Movers
+) -> None:
+    _apply(
+        kube, namespace, "x", partitions=8, replicas=3,
+        resources={"requests": {"cpu": "1", "memory": "2Gi"}},
+        checkpoint={"size": "1Gi", "storageClassName": "fast"},
+        kafka={"bootstrapServers": "kafka.kafka.svc:9092", "topicPrefix": "orders"},
+    )  # fmt: skip
+    operator.reconcile_once()
+    jp = _jp(kube, namespace)
+    uid = jp["metadata"]["uid"]
+
+    sts = _sts(kube, namespace)
+    selector = {
+        "app.kubernetes.io/name": "fluxjoin",
+        "app.kubernetes.io/component": "instance",
+        "fluxjoin.io/pipeline": "x",
+    }
+    assert sts["spec"]["replicas"] == 3
+    assert sts["spec"]["serviceName"] == "x"
+    assert sts["spec"]["selector"] == {"matchLabels": selector}
+    assert selector.items() <= sts["metadata"]["labels"].items()
+    assert sts["metadata"]["ownerReferences"] == [
+        {"apiVersion": "fluxjoin.io/v1alpha1", "kind": "JoinPipeline", "name": "x", "uid": uid,
+         "controller": True, "blockOwnerDeletion": True}
+    ]  # fmt: skip
+    pod = sts["spec"]["template"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "registry"}]
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == "registry.example.com/fluxjoin:0.1.0"
+    assert container["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
+    assert container["args"][:5] == [
+        "instance",
+        "--name",
+        "$(FLUXJOIN_POD_NAME)",
+        "--bootstrap",
+        "kafka.kafka.svc:9092",
+    ]
+    assert "pipeline=orders" in container["args"]
+    assert "--pids" not in container["args"]
+    assert {"name": "checkpoint", "mountPath": "/var/lib/fluxjoin/work"} in container["volumeMounts"]
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "checkpoint"
+    assert claim["spec"]["resources"] == {"requests": {"storage": "1Gi"}}
+    assert claim["spec"]["storageClassName"] == "fast"
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {
+        "whenDeleted": "Delete",
+        "whenScaled": "Delete",
+    }
+
+    svc = _svc(kube, namespace)
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"] == selector
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == uid
+
+    assert FINALIZER in jp["metadata"]["finalizers"]
+    status = jp["status"]
+    assert status["epoch"] == 0
+    assert status["assignment"] == [
+        {"instance": "x-0", "pids": "0-2", "count": 3},
+        {"instance": "x-1", "pids": "3-5", "count": 3},
+        {"instance": "x-2", "pids": "6-7", "count": 2},
+    ]
+    assert (status["replicas"], status["readyReplicas"], status["movesInFlight"]) == (3, 0, 0)
+    assert (
+        status["selector"]
+        == "app.kubernetes.io/component=instance,app.kubernetes.io/name=fluxjoin,fluxjoin.io/pipeline=x"
+    )
+    assert status["observedGeneration"] == jp["metadata"]["generation"]
+    assert _ready(status) == ("False", "InstancesNotReady")
+    assert status["lastDecision"] == "publish epoch 0: 8 pids on 3 instances"
+    assert movers.by_name["x"].calls == [("start", movers.by_name["x"].current)]
+
+    # The scale subresource reads status.replicas and status.selector.
+    scale = _plain(
+        kube,
+        kubernetes.client.CustomObjectsApi(kube.api_client).get_namespaced_custom_object_scale(
+            GROUP, VERSION, namespace, PLURAL, "x"
+        ),
+    )
+    assert scale["status"] == {"replicas": 3, "selector": status["selector"]}
+    assert _reasons(kube, namespace) == ["Started", "Created"]
+
+    # The instance pods show up as ready: status follows; then a round with nothing new writes nothing.
+    movers.by_name["x"].ready = {"x-0", "x-1", "x-2"}
+    movers.by_name["x"].stats = {"x-1": InstanceStats("x-1", busy_fraction=0.5, state_bytes=4096)}
+    operator.reconcile_once()
+    status = _jp(kube, namespace)["status"]
+    assert _ready(status) == ("True", "Running")
+    assert status["instances"] == [
+        {"name": "x-0", "ready": True, "pids": 3},
+        {"name": "x-1", "ready": True, "pids": 3, "load": 0.5, "stateBytes": 4096},
+        {"name": "x-2", "ready": True, "pids": 2},
+    ]
+    assert movers.by_name["x"].ticks == 2, "the mover is ticked once per round"
+    versions, events = _versions(kube, namespace), _events(kube, namespace)
+    operator.reconcile_once()
+    operator.reconcile_once()
+    assert _versions(kube, namespace) == versions
+    assert _events(kube, namespace) == events
+    assert len(movers.by_name["x"].calls) == 1
+
+    row = kube.kubectl("get", "-n", namespace, "jp/x", "--no-headers").stdout.split()
+    assert row[:9] == ["x", "3", "3", "8", "10000", "flux", "0", "0", "Running"]
+
+
+def test_the_instance_image_defaults_to_the_operators_and_spec_changes_update_the_template(
+    kube: KubeCluster, namespace: str, operator: Operator
+) -> None:
+    _apply(kube, namespace, "x", partitions=4, replicas=1)
+    operator.reconcile_once()
+    assert _sts(kube, namespace)["spec"]["template"]["spec"]["containers"][0]["image"] == SETTINGS.image
+    kube.kubectl(
+        "patch", "-n", namespace, "jp/x", "--type=merge",
+        "-p", '{"spec":{"image":"fluxjoin:2","windowMs":5000}}',
+    )  # fmt: skip
+    operator.reconcile_once()
+    (container,) = _sts(kube, namespace)["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "fluxjoin:2"
+    assert "window_ms=5000" in container["args"]
+    assert _reasons(kube, namespace)[-1] == "Updated"
+    status = _jp(kube, namespace)["status"]
+    assert status["observedGeneration"] == 2
+
+    # Claim templates are immutable: a new checkpoint size is refused, and said so.
+    kube.kubectl(
+        "patch", "-n", namespace, "jp/x", "--type=merge", "-p", '{"spec":{"checkpoint":{"size":"9Gi"}}}'
+    )
+    operator.reconcile_once()
+    (condition,) = _jp(kube, namespace)["status"]["conditions"]
+    assert condition["reason"] == "ReconcileFailed"
+    assert "Forbidden" in condition["message"]
+
+
+def test_problems_are_reported_on_the_pipeline_once_and_do_not_stop_the_others(
+    kube: KubeCluster, namespace: str, crd: None
+) -> None:
+    operator = Operator(kube.api_client, namespace, Movers(), InstanceSettings())
+    _apply(kube, namespace, "x", partitions=4, replicas=1)
+    _apply(kube, namespace, "pt", partitions=4, replicas=1, handoffMode="parallel_track")
+    _apply(kube, namespace, "fine", partitions=4, replicas=1, image="fluxjoin:1")
+    operator.reconcile_once()
+    assert operator.metrics.failures == 2
+    status = _jp(kube, namespace)["status"]
+    assert _ready(status) == ("False", "ReconcileFailed")
+    assert "no image for the join instances" in status["conditions"][0]["message"]
+    message = _jp(kube, namespace, "pt")["status"]["conditions"][0]["message"]
+    assert "spec.handoffMode 'parallel_track' is not supported" in message
+    assert _sts(kube, namespace, "fine")["spec"]["replicas"] == 1
+    assert _reasons(kube, namespace).count("ReconcileFailed") == 1
+    operator.reconcile_once()
+    assert _reasons(kube, namespace).count("ReconcileFailed") == 1, "one event per new failure, not per round"
+
+
+# --- scale ---
+
+
+def test_kubectl_scale_out_grows_the_statefulset_then_moves_pids_onto_ready_instances(
+    kube: KubeCluster, namespace: str, operator: Operator, movers: Movers
+) -> None:
+    _apply(kube, namespace, "x", partitions=8, replicas=3)
+    operator.reconcile_once()
+    mover = movers.by_name["x"]
+    mover.ready = {"x-0", "x-1", "x-2"}
+    operator.reconcile_once()
+
+    kube.kubectl("scale", "-n", namespace, "joinpipeline/x", "--replicas=4")
+    operator.reconcile_once()
+    assert _sts(kube, namespace)["spec"]["replicas"] == 4
+    assert [call for call, _ in mover.calls] == ["start"], "no move before x-3 reports ready"
+    status = _jp(kube, namespace)["status"]
+    assert _ready(status) == ("False", "ScalingOut")
+    assert status["replicas"] == 4
+    assert "waiting for x-3 to report ready" in status["conditions"][0]["message"]
+    assert _events(kube, namespace)[-1] == ("ScaledOut", "StatefulSet x: 3 -> 4 instances")
+
+    mover.ready.add("x-3")
+    operator.reconcile_once()
+    requested = [Move(2, "x-0", "x-3"), Move(5, "x-1", "x-3")]
+    assert mover.calls[-1] == ("request", tuple(requested))
+    status = _jp(kube, namespace)["status"]
+    assert status["movesInFlight"] == 2
+    assert [(m["pid"], m["from"], m["to"], m["mode"]) for m in status["moves"]] == [
+        (2, "x-0", "x-3", "transfer"),
+        (5, "x-1", "x-3", "transfer"),
+    ]
+    assert status["lastDecision"] == "spread 2 pids onto x-3"
+    assert _events(kube, namespace)[-3:] == [
+        ("Spreading", "spread 2 pids onto x-3"),
+        ("MoveRequested", "pid 2: x-0 -> x-3 (transfer)"),
+        ("MoveRequested", "pid 5: x-1 -> x-3 (transfer)"),
+    ]
+
+    versions = _versions(kube, namespace)
+    operator.reconcile_once()
+    assert len(mover.calls) == 2, "moves in flight are not requested again"
+    assert _versions(kube, namespace) == versions
+
+    mover.complete()
+    operator.reconcile_once()
+    status = _jp(kube, namespace)["status"]
+    assert status["epoch"] == 1
+    assert status["assignment"][3] == {"instance": "x-3", "pids": "2,5", "count": 2}
+    assert (status["movesInFlight"], status["moves"]) == (0, [])
+    assert _ready(status) == ("True", "Running")
+    assert status["lastDecision"] == "spread 2 pids onto x-3", "the last action stays on record"
+    assert _events(kube, namespace)[-2:] == [
+        ("MoveCompleted", "pid 2: x-0 -> x-3 (epoch 1)"),
+        ("MoveCompleted", "pid 5: x-1 -> x-3 (epoch 1)"),
+    ]
+    row = kube.kubectl("get", "-n", namespace, "jp/x", "--no-headers").stdout.split()
+    assert row[:9] == ["x", "4", "4", "8", "10000", "flux", "1", "0", "Running"]
+
+
+def test_kubectl_scale_in_drains_first_and_shrinks_only_when_the_ordinals_own_nothing(
+    kube: KubeCluster, namespace: str, operator: Operator, movers: Movers
+) -> None:
+    _apply(kube, namespace, "x", partitions=8, replicas=4, handoffMode="replay")
+    operator.reconcile_once()
+    mover = movers.by_name["x"]
+    mover.ready = {"x-0", "x-1", "x-2", "x-3"}
+    operator.reconcile_once()
+    for ordinal in range(4):
+        _claim(kube, namespace, f"checkpoint-x-{ordinal}")
+    _claim(kube, namespace, "scratch-x-3")
+
+    kube.kubectl("scale", "-n", namespace, "joinpipeline/x", "--replicas=2")
+    operator.reconcile_once()
+    replay = HandoffMode.REPLAY
+    drains = [(4, "x-2", "x-0"), (5, "x-2", "x-1"), (6, "x-3", "x-0"), (7, "x-3", "x-1")]
+    assert mover.calls[-1] == ("request", tuple(Move(p, s, t, replay) for p, s, t in drains))
+    assert _sts(kube, namespace)["spec"]["replicas"] == 4, (
+        "drained instances keep running until their pids left"
+    )
+    status = _jp(kube, namespace)["status"]
+    assert _ready(status) == ("False", "ScalingIn")
+    assert status["movesInFlight"] == 4
+    assert _claims(kube, namespace) == {f"checkpoint-x-{i}": False for i in range(4)} | {"scratch-x-3": False}
+
+    operator.reconcile_once()
+    assert _sts(kube, namespace)["spec"]["replicas"] == 4
+    assert len(mover.calls) == 2
+
+    mover.complete()
+    operator.reconcile_once()
+    assert _sts(kube, namespace)["spec"]["replicas"] == 2
+    status = _jp(kube, namespace)["status"]
+    assert status["assignment"] == [
+        {"instance": "x-0", "pids": "0-1,4,6", "count": 4},
+        {"instance": "x-1", "pids": "2-3,5,7", "count": 4},
+    ]
+    assert (status["replicas"], status["epoch"]) == (2, 1)
+    assert [i["name"] for i in status["instances"]] == ["x-0", "x-1"]
+    assert _ready(status) == ("True", "Running")
+    assert _claims(kube, namespace) == {
+        "checkpoint-x-0": False, "checkpoint-x-1": False, "checkpoint-x-2": True, "checkpoint-x-3": True,
+        "scratch-x-3": False,
+    }  # fmt: skip
+    reasons = _reasons(kube, namespace)
+    assert reasons[-3:] == ["ScaledIn", "VolumeDeleted", "VolumeDeleted"]
+    assert reasons.count("MoveCompleted") == 4
+
+    operator.reconcile_once()
+    assert _reasons(kube, namespace) == reasons
+
+
+# --- delete ---
+
+
+def test_deleting_a_pipeline_runs_the_finalizer_and_removes_what_it_owns(
+    kube: KubeCluster, namespace: str, operator: Operator, movers: Movers
+) -> None:
+    _apply(kube, namespace, "x", partitions=4, replicas=2)
+    _apply(kube, namespace, "other", partitions=4, replicas=1)
+    operator.reconcile_once()
+    _claim(kube, namespace, "checkpoint-x-0")
+    _claim(kube, namespace, "checkpoint-other-0", pipeline="other")
+
+    kube.kubectl("delete", "-n", namespace, "jp/x", "--wait=false")
+    assert _jp(kube, namespace)["metadata"]["deletionTimestamp"], "the finalizer holds the pipeline"
+    operator.reconcile_once()
+
+    core = kubernetes.client.CoreV1Api(kube.api_client)
+    apps = kubernetes.client.AppsV1Api(kube.api_client)
+    assert _missing(lambda: apps.read_namespaced_stateful_set("x", namespace))
+    assert _missing(lambda: core.read_namespaced_service("x", namespace))
+    assert _missing(lambda: _jp(kube, namespace))
+    assert _claims(kube, namespace) == {"checkpoint-x-0": True, "checkpoint-other-0": False}
+    assert movers.by_name["x"].closed
+    assert _events(kube, namespace)[-1] == (
+        "Finalized", "deleted StatefulSet x, Service x, 1 checkpoint volumes"
+    )  # fmt: skip
+    # The other pipeline is untouched.
+    assert _sts(kube, namespace, "other")["spec"]["replicas"] == 1
+    assert not movers.by_name["other"].closed
+
+
+# --- leader election ---
+
+
+@dataclass
+class FakeClock:
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_only_the_lease_holder_reconciles_and_a_silent_leader_is_replaced(
+    kube: KubeCluster, namespace: str, crd: None
+) -> None:
+    coordination = kubernetes.client.CoordinationV1Api(kube.api_client)
+    clock_a, clock_b = FakeClock(), FakeClock()
+    movers_a, movers_b = Movers(), Movers()
+    a = Operator(
+        kube.api_client, namespace, movers_a, SETTINGS,
+        elector=LeaseElector(coordination, namespace, "fj", "op-a", clock=clock_a), identity="op-a",
+    )  # fmt: skip
+    elector_b = LeaseElector(coordination, namespace, "fj", "op-b", clock=clock_b)
+    b = Operator(kube.api_client, namespace, movers_b, SETTINGS, elector=elector_b, identity="op-b")
+    _apply(kube, namespace, "x", partitions=4, replicas=2)
+
+    assert a.step() is True
+    assert b.step() is False
+    assert "x" in movers_a.by_name and movers_b.by_name == {}
+    assert _sts(kube, namespace)["spec"]["replicas"] == 2
+
+    def lease() -> dict[str, Any]:
+        return _plain(kube, coordination.read_namespaced_lease("fj", namespace))["spec"]
+
+    assert (lease()["holderIdentity"], lease()["leaseTransitions"]) == ("op-a", 0)
+    for _ in range(3):  # a renews every round, so b never sees an expired lease
+        clock_a.now += 10
+        clock_b.now += 10
+        assert a.step() is True
+        assert b.step() is False
+    assert movers_b.by_name == {}
+
+    # a stops renewing: b waits a whole lease duration on its own clock, then takes over.
+    clock_b.now += 10
+    assert b.step() is False
+    clock_b.now += 6
+    assert b.step() is True
+    assert (lease()["holderIdentity"], lease()["leaseTransitions"]) == ("op-b", 1)
+    assert "x" in movers_b.by_name
+    assert a.step() is False, "the old leader sees the new holder and stands down"
+    assert movers_a.by_name["x"].closed
+
+    # A holder that shuts down releases the Lease: the other takes over at once.
+    elector_b.release()
+    assert a.step() is True
+    assert lease()["holderIdentity"] == "op-a"
+
+
+def test_run_reconciles_on_watch_events_until_stopped(
+    kube: KubeCluster, namespace: str, crd: None, movers: Movers
+) -> None:
+    coordination = kubernetes.client.CoordinationV1Api(kube.api_client)
+    operator = Operator(
+        kube.api_client, namespace, movers, SETTINGS,
+        elector=LeaseElector(coordination, namespace, "fj", "op-run"), identity="op-run",
+    )  # fmt: skip
+    runner = threading.Thread(target=operator.run, kwargs={"period_s": 30.0}, daemon=True)
+    runner.start()
+    try:
+        _apply(kube, namespace, "x", partitions=4, replicas=2)
+        _wait_for(
+            lambda: "x" in movers.by_name and _status_epoch(kube, namespace) == 0, "the first assignment"
+        )
+        movers.by_name["x"].ready = {"x-0", "x-1", "x-2"}
+        kube.kubectl("scale", "-n", namespace, "joinpipeline/x", "--replicas=3")
+        _wait_for(lambda: movers.by_name["x"].moving != [], "moves onto x-2 after the scale event")
+        assert {m.target for m in movers.by_name["x"].moving} == {"x-2"}
+        port = free_port()
+        server = serve_health(operator, port, host="127.0.0.1")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
+                assert answer.status == 200
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                assert "fluxjoin_operator_leader 1" in answer.read().decode()
+        finally:
+            server.shutdown()
+    finally:
+        operator.request_stop()
+        runner.join(timeout=30)
+    assert not runner.is_alive()
+    released = _plain(kube, coordination.read_namespaced_lease("fj", namespace))["spec"]
+    assert "holderIdentity" not in released, "a stopping leader releases the Lease"
+
+
+def _status_epoch(kube: KubeCluster, namespace: str) -> int | None:
+    epoch = (_jp(kube, namespace).get("status") or {}).get("epoch")
+    return int(epoch) if epoch is not None else None
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+# --- RBAC: the chart's Role is enough for everything above, and no more is needed ---
+
+# Every request the operator makes, as (verb, resource) for `kubectl auth can-i`.
+OPERATOR_REQUESTS = [
+    ["list", "joinpipelines.fluxjoin.io"],
+    ["watch", "joinpipelines.fluxjoin.io"],
+    ["patch", "joinpipelines.fluxjoin.io"],
+    ["patch", "joinpipelines.fluxjoin.io/status"],
+    ["get", "statefulsets.apps"],
+    ["create", "statefulsets.apps"],
+    ["patch", "statefulsets.apps"],
+    ["delete", "statefulsets.apps"],
+    ["get", "services"],
+    ["create", "services"],
+    ["patch", "services"],
+    ["delete", "services"],
+    ["list", "persistentvolumeclaims"],
+    ["delete", "persistentvolumeclaims"],
+    ["create", "leases.coordination.k8s.io"],
+    ["get", "leases.coordination.k8s.io/fj-fluxjoin-operator"],
+    ["patch", "leases.coordination.k8s.io/fj-fluxjoin-operator"],
+    ["create", "events"],
+    ["update", "joinpipelines.fluxjoin.io/finalizers"],
+]
+NOT_GRANTED = [
+    ["list", "joinpipelines.fluxjoin.io", "--all-namespaces"],
+    ["list", "statefulsets.apps", "--all-namespaces"],
+    ["create", "leases.coordination.k8s.io", "-n", "kube-system"],
+    ["get", "secrets"],
+]
+
+
+def test_the_charts_role_covers_every_request_of_a_full_lifecycle(
+    kube: KubeCluster, namespace: str, crd: None
+) -> None:
+    kube.helm("install", "fj", str(CHART), "-n", namespace)
+    subject = f"system:serviceaccount:{namespace}:fj-fluxjoin-operator"
+    for args in OPERATOR_REQUESTS + NOT_GRANTED:
+        extra = [] if "-n" in args else ["-n", namespace]
+        answer = kube.kubectl("auth", "can-i", *args, *extra, f"--as={subject}", check=False).stdout.strip()
+        assert answer == ("yes" if args in OPERATOR_REQUESTS else "no"), args
+
+    # The operator itself, every request impersonating the service account: create, scale out, scale
+    # in, delete, with leader election; any Forbidden would show as a failed reconcile or a lost Lease.
+    as_operator = kubernetes.config.new_client_from_config(config_file=str(kube.kubeconfig))
+    as_operator.set_default_header("Impersonate-User", subject)
+    movers = Movers()
+    elector = LeaseElector(
+        kubernetes.client.CoordinationV1Api(as_operator), namespace, "fj-fluxjoin-operator", "op-0"
+    )
+    operator = Operator(as_operator, namespace, movers, SETTINGS, elector=elector, identity="op-0")
+
+    def round_() -> None:
+        assert operator.step() is True
+        assert operator.metrics.failures == 0, _jp(kube, namespace).get("status")
+
+    _apply(kube, namespace, "x", partitions=4, replicas=2)
+    round_()
+    mover = movers.by_name["x"]
+    mover.ready = {"x-0", "x-1", "x-2"}
+    kube.kubectl("scale", "-n", namespace, "joinpipeline/x", "--replicas=3")
+    round_()
+    mover.complete()
+    round_()
+    for ordinal in range(3):
+        _claim(kube, namespace, f"checkpoint-x-{ordinal}")
+    kube.kubectl("scale", "-n", namespace, "joinpipeline/x", "--replicas=1")
+    round_()
+    mover.complete()
+    round_()
+    assert _sts(kube, namespace)["spec"]["replicas"] == 1
+    kube.kubectl("delete", "-n", namespace, "jp/x", "--wait=false")
+    round_()
+    assert _missing(lambda: _jp(kube, namespace))
+    assert {"Started", "Created", "ScaledOut", "MoveRequested", "MoveCompleted", "ScaledIn", "VolumeDeleted",
+            "Finalized"} <= set(_reasons(kube, namespace))  # fmt: skip
+    elector.release()
+
+
+# --- the CLI and the chart's contract ---
+
+
+def test_operator_command_takes_its_settings_from_the_charts_environment(
+    k8s_bin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every variable the chart's Deployment sets is read by `fluxjoin operator`, into the right option."""
+    import subprocess
+
+    import controller.operator
+
+    rendered = subprocess.run(
+        [str(k8s_bin / "helm"), "template", "fj", str(CHART), "-n", "streams",
+         "--set", "imagePullSecrets[0].name=r1,imagePullSecrets[1].name=r2,operator.logLevel=debug"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    deployment = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["operator"]
+    from_fields = {"metadata.namespace": "streams", "metadata.name": "fj-fluxjoin-operator-7d9f-abcde"}
+    env = {
+        e["name"]: e["value"] if "value" in e else from_fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        for e in container["env"]
+    }
+    started: list[OperatorOptions] = []
+    monkeypatch.setattr(controller.operator, "run_operator", started.append)
+    result = CliRunner().invoke(app, ["operator"], env=env)
+    assert result.exit_code == 0, result.output
+    (options,) = started
+    assert options == OperatorOptions(
+        namespace="streams",
+        identity="fj-fluxjoin-operator-7d9f-abcde",
+        leader_election=True,
+        lease_name="fj-fluxjoin-operator",
+        kubeconfig=None,
+        metrics_port=9108,
+        instance=InstanceSettings(
+            image="fluxjoin:0.1.0",
+            pull_policy="IfNotPresent",
+            pull_secrets=("r1", "r2"),
+            metrics_port=9108,
+            scrape_annotations=True,
+        ),
+    )
+    result = CliRunner().invoke(
+        app,
+        ["operator"],
+        env={**env, "FLUXJOIN_LEADER_ELECTION": "false", "FLUXJOIN_SCRAPE_ANNOTATIONS": "false"},
+    )
+    assert (started[1].leader_election, started[1].instance.scrape_annotations) == (False, False)
+
+
+def test_operator_command_with_a_bad_kubeconfig_exits_with_a_clear_message(tmp_path: Any) -> None:
+    missing = tmp_path / "nope"
+    result = CliRunner().invoke(app, ["operator", "--kubeconfig", str(missing), "--namespace", "x"])
+    assert result.exit_code == 2
+    assert "cannot configure the Kubernetes client" in result.output
