@@ -1,14 +1,21 @@
 # One image for every fluxjoin role: generator, join instance (Spark in local mode inside the pod) and
-# the operator. `make image` builds it as fluxjoin:dev; the Helm chart runs it with different arguments.
+# the operator. `make image` (scripts/build-image.sh) builds it as fluxjoin:dev; the Helm chart runs it
+# with different arguments. Plain `docker build .` works too where PyPI's certificates verify as they are.
 #
 # Two stages: the builder has pip and builds the wheels (PySpark ships as a source archive only); the
 # final stage holds the JRE, Python and the virtualenv, runs as a non-root user and has no build tools.
 
 FROM debian:bookworm-slim AS build
+# Extra CA certificates (PEM) for networks that inspect TLS on the way to PyPI; the build stage only.
+ARG EXTRA_CA_CERTS=""
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         python3 python3-venv python3-pip ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
+    && rm -rf /var/lib/apt/lists/* \
+    && if [ -n "$EXTRA_CA_CERTS" ]; then \
+        printf '%s\n' "$EXTRA_CA_CERTS" > /usr/local/share/ca-certificates/extra.crt && update-ca-certificates; \
+    fi
+ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_DEFAULT_TIMEOUT=180
 RUN python3 -m venv /opt/fluxjoin
 # Dependencies first, so a code change does not rebuild the PySpark wheel.
 COPY pyproject.toml /src/pyproject.toml

@@ -50,7 +50,7 @@ demo: setup
 
 image:
 	scripts/ensure-docker.sh
-	docker build -t fluxjoin:dev .
+	scripts/build-image.sh fluxjoin:dev
 
 k8s-check: setup
 	scripts/ensure-k8s-tools.sh

@@ -24,6 +24,8 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -449,4 +451,149 @@ def run_skew_bench(
     out.mkdir(parents=True, exist_ok=True)
     (out / "skew.json").write_text(json.dumps(summary, indent=2))
     say(f"report: {out / 'skew.json'}")
+    return summary
+
+
+# --- fluxjoin bench move-cost: what one move costs, by mode and window size, against a restart ---
+
+
+def move_cost_config(base: Config, pipeline: str, window_ms: int, rate: float, seconds: float) -> Config:
+    """2-way, P = 16, 2 instances; keys sized for about one result per input tuple at this window."""
+    per_stream = rate / 2
+    return base.with_overrides(
+        pipeline=pipeline,
+        streams=["A", "B"],
+        window_ms=window_ms,
+        partitions=16,
+        instances=2,
+        **{
+            "generator.mode": "real_time",
+            "generator.duration_s": seconds,
+            "generator.max_tuples": None,
+            "generator.rate": {"kind": "constant", "rate": per_stream},
+            "generator.keys": {"kind": "uniform", "count": max(256, int(per_stream * window_ms / 1000))},
+            "instance.spark_master": "local[1]",
+            "instance.shuffle_partitions": 2,
+            "instance.trigger_ms": 500,
+        },
+    )
+
+
+def _pid_batches(records: list[dict[str, Any]], pid: int) -> list[tuple[float, str]]:
+    """(batch end ms, instance) of every batch that read input of `pid`, in time order."""
+    return sorted(
+        (r["time_ms"], r["instance"]) for r in records if r["pids"].get(str(pid), {}).get("in", 0) > 0
+    )
+
+
+def pause_of(records: list[dict[str, Any]], pid: int, after_ms: float) -> float:
+    """The longest gap between consecutive batches reading `pid` from `after_ms` on (seconds): the pid's
+    pause across a move or a restart."""
+    times = [t for t, _ in _pid_batches(records, pid) if t >= after_ms - 5000]
+    gaps = [b - a for a, b in pairwise(times)]
+    return round(max(gaps, default=0.0) / 1000, 2)
+
+
+def _acquired(log: Any, move_id: str) -> bool:
+    return move_id in log.catch_up().acquired
+
+
+def _p99(records: list[dict[str, Any]], start_ms: float, end_ms: float) -> float:
+    window = [r for r in records if start_ms <= r["time_ms"] < end_ms and r["results"]]
+    return weighted_percentiles(window, (99,))[0]
+
+
+def measure_move_cost(
+    cfg: Config, bootstrap: str, work: Path, steady_s: float, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """After the window has filled: a transfer move, a replay move, then a restart of the source
+    instance's query (the stop-the-world alternative), each followed by a quiet spell."""
+    import signal
+
+    from controller.moves import request_moves
+    from controller.runner import instance_names
+    from pipeline.control import ControlLog, wait_for
+    from pipeline.protocol import Mode
+
+    pipeline = LocalPipeline(cfg, bootstrap, work)
+    follower = MetricsFollower(pipeline.cfg, bootstrap)
+    log = ControlLog(bootstrap, cfg.control_topic)
+    records: list[dict[str, Any]] = []
+
+    def collect_for(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            records.extend(r for r in follower.poll() if r.get("kind") == "batch")
+            if pipeline.failed():
+                raise RuntimeError(f"a process failed: {pipeline.failed()}")
+
+    out: dict[str, Any] = {}
+    try:
+        pipeline.start_controller(policy="static")
+        names = instance_names(2)
+        for name in names:
+            pipeline.start_instance(name)
+        for name in names:
+            _wait_for_log(pipeline, name, ": running", timeout_s=300)
+        pipeline.start_generator()
+        collect_for(cfg.window_ms / 1000 + 15)  # fill the window
+        steady_start = time.time() * 1000
+        collect_for(steady_s)
+        out["steady_p99_s"] = _p99(records, steady_start, time.time() * 1000)
+        for pid, mode in ((0, Mode.TRANSFER), (1, Mode.REPLAY)):
+            started = time.time() * 1000
+            move_id = request_moves(cfg, bootstrap, [pid], names[1], mode).move_id(pid)
+            wait_for(partial(_acquired, log, move_id), 120, f"the {mode.value} move")
+            collect_for(steady_s)
+            out[mode.value] = {
+                "pause_s": pause_of(records, pid, started),
+                "others_p99_s": _p99(records, started, time.time() * 1000),
+            }
+            say(f"move-cost W={cfg.window_ms} ms {mode.value}: {out[mode.value]}")
+        started = time.time() * 1000
+        pipeline.kill(names[0], signal.SIGTERM)  # the global alternative: stop the query, start it again
+        pipeline.start_instance(names[0])
+        collect_for(steady_s + 20)
+        out["restart"] = {
+            "pause_s": pause_of(records, 2, started),
+            "others_p99_s": _p99(records, started, time.time() * 1000),
+        }
+        say(f"move-cost W={cfg.window_ms} ms restart: {out['restart']}")
+    finally:
+        log.close()
+        follower.close()
+        pipeline.stop()
+    state = [
+        sum(p["state_bytes"] for p in r["pids"].values()) for r in records if r["instance"] == "instance-0"
+    ]
+    out["state_bytes_instance0"] = max(state, default=0)
+    return out
+
+
+def run_move_cost_bench(
+    cfg: Config,
+    windows_ms: list[int],
+    rate: float = 4000,
+    steady_s: float = 15,
+    say: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    from controller import kafka_runtime
+
+    started_broker = not cfg.bootstrap
+    bootstrap = cfg.bootstrap or kafka_runtime.start()
+    run_id = f"bench-move-cost-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    work = Path(cfg.instance.work_dir).resolve() / run_id
+    summary: dict[str, Any] = {}
+    try:
+        for w in windows_ms:
+            seconds = w / 1000 + 15 + 4 * steady_s + 60
+            c = move_cost_config(cfg, f"{run_id}-w{w}", w, rate, seconds)
+            summary[str(w)] = measure_move_cost(c, bootstrap, work / f"w{w}", steady_s, say)
+    finally:
+        if started_broker:
+            kafka_runtime.stop()
+    out = Path("reports") / "bench" / run_id
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "move_cost.json").write_text(json.dumps(summary, indent=2))
+    say(f"report: {out / 'move_cost.json'}")
     return summary

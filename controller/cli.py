@@ -407,6 +407,31 @@ def bench_skew(
     print(json.dumps(compact) if json_ else json.dumps(summary, indent=2))
 
 
+@bench_app.command("move-cost")
+def bench_move_cost(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bootstrap: BootstrapOpt = None,
+    json_: JsonOpt = False,
+    windows: Annotated[str, typer.Option(help="Window sizes W in ms (state sizes).")] = "2000,10000,30000",
+    rate: Annotated[float, typer.Option(help="Input tuples/s in total.")] = 4000,
+) -> None:
+    """Pause of a moved pid and latency of the others, per handoff mode and window, vs a query restart."""
+    from controller.bench import run_move_cost_bench
+
+    cfg = _config(config, set_, bootstrap)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
+    try:
+        wanted = [int(w) for w in windows.split(",")]
+    except ValueError as exc:
+        fail(f"--windows: {exc}")
+    try:
+        summary = run_move_cost_bench(cfg, wanted, rate, say=say)
+    except _user_errors() as exc:
+        fail(str(exc))
+    print(json.dumps(summary) if json_ else json.dumps(summary, indent=2))
+
+
 @bench_app.command("soak")
 def bench_soak(
     config: ConfigOpt = None,
