@@ -239,7 +239,7 @@ def measure_latency(cfg: Config, bootstrap: str, work: Path, say: Callable[[str]
     records: list[dict[str, Any]] = []
     try:
         pipeline.start_instance("instance-0", range(cfg.partitions))
-        _wait_for_log(pipeline, "instance-0", ": running", timeout_s=120)
+        pipeline.wait_running(["instance-0"])
         pipeline.start_generator()
         started_ms = time.time() * 1000
         say(f"latency: {cfg.generator.duration_s:.0f} s of real-time input")
@@ -260,18 +260,8 @@ def measure_latency(cfg: Config, bootstrap: str, work: Path, say: Callable[[str]
     ]
     p50, p99 = weighted_percentiles(steady, (50, 99))
     tuples = sum(r["tuples_in"] for r in records if r.get("kind") == "batch")
-    say(f"latency: p50 {p50:.2f} s, p99 {p99:.2f} s over {len(steady)} batches")
+    say(f"latency: p50 {p50} s, p99 {p99} s over {len(steady)} batches")
     return {"tuples": tuples, "batches": len(steady), "latency_p50_s": p50, "latency_p99_s": p99}
-
-
-def _wait_for_log(pipeline: LocalPipeline, name: str, text: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in (pipeline.work / f"{name}.log").read_text(errors="replace"):
-        if pipeline.failed():
-            raise RuntimeError(f"{name} failed:\n{pipeline.log_tail(name)}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{name} did not start within {timeout_s:.0f} s")
-        time.sleep(0.5)
 
 
 def run_throughput_bench(
@@ -378,8 +368,7 @@ def measure_skew_point(
         names = instance_names(cfg.instances)
         for name in names:
             pipeline.start_instance(name)
-        for name in names:
-            _wait_for_log(pipeline, name, ": running", timeout_s=300)
+        pipeline.wait_running(names)
         pipeline.start_generator()
         started_ms = time.time() * 1000
         while pipeline.procs["generator"].poll() is None:
@@ -498,7 +487,7 @@ def _acquired(log: Any, move_id: str) -> bool:
     return move_id in log.catch_up().acquired
 
 
-def _p99(records: list[dict[str, Any]], start_ms: float, end_ms: float) -> float:
+def _p99(records: list[dict[str, Any]], start_ms: float, end_ms: float) -> float | None:
     window = [r for r in records if start_ms <= r["time_ms"] < end_ms and r["results"]]
     return weighted_percentiles(window, (99,))[0]
 
@@ -533,8 +522,7 @@ def measure_move_cost(
         names = instance_names(2)
         for name in names:
             pipeline.start_instance(name)
-        for name in names:
-            _wait_for_log(pipeline, name, ": running", timeout_s=300)
+        pipeline.wait_running(names)
         pipeline.start_generator()
         collect_for(cfg.window_ms / 1000 + 15)  # fill the window
         steady_start = time.time() * 1000

@@ -30,7 +30,9 @@ DEMO_DEFAULTS = [
     "generator.rate={kind: constant, rate: 1200}",
     "generator.keys={kind: hot_pids, count: 40000, hot_fraction: 0.2, hot_share: 0.8, move_every_s: 40}",
     "generator.mode=real_time",
-    "instance.trigger_ms=1000",
+    "instance.trigger_ms=2000",
+    "instance.spark_master=local[1]",
+    "instance.shuffle_partitions=2",
 ]
 
 
@@ -208,8 +210,11 @@ def _run_live(
     stats = LiveStats()
     t0 = time.monotonic()
     pipeline.start_controller(policy=policy)
-    for name in instance_names(cfg.instances):
+    names = instance_names(cfg.instances)
+    for name in names:
         pipeline.start_instance(name)
+    console.print(f"starting {len(names)} Spark instances (logs in {pipeline.work}) ...")
+    pipeline.wait_running(names)
     pipeline.start_generator()
     follower = MetricsFollower(pipeline.cfg, pipeline.bootstrap)
     console.print(

@@ -98,6 +98,17 @@ class LocalPipeline:
         if log is not None:
             log.close()
 
+    def wait_running(self, names: list[str], timeout_s: float = 300) -> None:
+        """Block until each instance has started its query (it logs "<name>: running")."""
+        deadline = time.monotonic() + timeout_s
+        for name in names:
+            while ": running" not in (self.work / f"{name}.log").read_text(errors="replace"):
+                if name in self.failed():
+                    raise RuntimeError(f"{name} exited with {self.failed()[name]}:\n{self.log_tail(name)}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not start its query within {timeout_s:.0f} s")
+                time.sleep(0.5)
+
     def failed(self) -> dict[str, int]:
         """Processes that exited with an error (the generator exiting 0 is normal)."""
         return {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
@@ -142,20 +153,12 @@ def committed_offsets(cfg: Config, bootstrap: str) -> dict[tuple[str, int], int]
 
 
 def end_offsets(cfg: Config, bootstrap: str) -> dict[tuple[str, int], int]:
-    from confluent_kafka import TopicPartition
-    from confluent_kafka.admin import AdminClient, OffsetSpec
+    """(stream, pid) -> end offset of every input partition."""
+    from pipeline.topics import admin_client, partition_offsets
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    request = {
-        TopicPartition(cfg.input_topic(s), p): OffsetSpec.latest()
-        for s in cfg.streams
-        for p in range(cfg.partitions)
-    }
     stream_of = {cfg.input_topic(s): s for s in cfg.streams}
-    return {
-        (stream_of[tp.topic], tp.partition): fut.result().offset
-        for tp, fut in admin.list_offsets(request, request_timeout=30).items()
-    }
+    wanted = [(t, p) for t in stream_of for p in range(cfg.partitions)]
+    return {(stream_of[t], p): o for (t, p), o in partition_offsets(admin_client(bootstrap), wanted).items()}
 
 
 def backlog(cfg: Config, bootstrap: str) -> int:
@@ -180,8 +183,8 @@ def wait_drained(pipeline: LocalPipeline, timeout_s: float) -> None:
         time.sleep(1.0)
 
 
-def weighted_percentiles(records: list[dict[str, Any]], qs: tuple[float, ...]) -> tuple[float, ...]:
-    """Run-wide result-latency percentiles from per-batch metrics records (NaN when there are none).
+def weighted_percentiles(records: list[dict[str, Any]], qs: tuple[float, ...]) -> tuple[float | None, ...]:
+    """Run-wide result-latency percentiles from per-batch metrics records (None when there are none).
 
     Each record carries an evenly spaced sample of its batch's sorted latencies; a sample value stands
     for `results / len(sample)` results, so a batch with many results weighs more than one with few.
@@ -190,10 +193,12 @@ def weighted_percentiles(records: list[dict[str, Any]], qs: tuple[float, ...]) -
     weights: list[float] = []
     for r in records:
         sample = r.get("latency_sample") or []
+        if not sample:
+            continue
         values.extend(sample)
         weights.extend([r["results"] / len(sample)] * len(sample))
     if not values:
-        return tuple(float("nan") for _ in qs)
+        return tuple(None for _ in qs)
     order = np.argsort(values)
     v, w = np.asarray(values)[order], np.asarray(weights)[order]
     position = (np.cumsum(w) - w / 2) / w.sum()

@@ -350,17 +350,11 @@ class KafkaPidMover:
         return newest
 
     def _earliest(self, pid: int) -> Mapping[str, int]:
-        from confluent_kafka import TopicPartition
-        from confluent_kafka.admin import OffsetSpec
+        from pipeline.topics import admin_client, partition_offsets
 
-        from pipeline.topics import admin_client
-
-        request = {
-            TopicPartition(self.cfg.input_topic(s), pid): OffsetSpec.earliest() for s in self.cfg.streams
-        }
-        found = admin_client(self.bootstrap).list_offsets(request, request_timeout=30)
-        stream_of = {self.cfg.input_topic(s): s for s in self.cfg.streams}
-        return {stream_of[tp.topic]: fut.result().offset for tp, fut in found.items()}
+        wanted = [(self.cfg.input_topic(s), pid) for s in self.cfg.streams]
+        found = partition_offsets(admin_client(self.bootstrap), wanted, latest=False)
+        return {s: found[(self.cfg.input_topic(s), pid)] for s in self.cfg.streams}
 
     def close(self) -> None:
         self.observer.close()

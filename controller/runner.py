@@ -102,6 +102,7 @@ def run_controller(
     interval = float(getattr(params, "delta_s", 2.0))
     next_decision = time.monotonic() + max(interval, 5.0)  # let the instances report first
     last_adaptation: float | None = None
+    last_reason = ""
     say(
         f"controller: policy {policy_name}, handoff {mode.value}, heartbeat timeout {heartbeat_timeout_s:g} s"
     )
@@ -110,9 +111,14 @@ def run_controller(
             mover.step()
             now = time.monotonic()
             if now >= next_decision:
-                interval, moved = _decide(mover, policy, params, interval, now, last_adaptation, dry_run, say)
+                interval, moved, reason = _decide(
+                    mover, policy, params, interval, now, last_adaptation, dry_run, say
+                )
                 if moved:
                     last_adaptation = now
+                elif reason != last_reason:
+                    say(f"policy {policy_name}: no move ({reason})")
+                last_reason = reason
                 next_decision = now + interval
             time.sleep(TICK_S)
     finally:
@@ -128,11 +134,11 @@ def _decide(
     last_adaptation: float | None,
     dry_run: bool,
     say: Callable[[str], None],
-) -> tuple[float, bool]:
-    """One policy round; returns the next interval and whether moves were ordered."""
+) -> tuple[float, bool, str]:
+    """One policy round; returns the next interval, whether moves were ordered, and the reason."""
     current = mover.assignment()
     if current is None:
-        return interval, False
+        return interval, False, "no assignment yet"
     in_flight = frozenset(m.pid for m in mover.in_flight())
     live = sorted(mover.observer.liveness().live)
     snapshot = snapshot_of(
@@ -141,15 +147,15 @@ def _decide(
     started = time.monotonic()
     decision = policy.decide(snapshot, params)
     if not decision.moves:
-        return decision.next_interval_s or interval, False
+        return decision.next_interval_s or interval, False, decision.reason
     for move in decision.moves:
         say(f"policy {policy.name}: pid {move.pid} {move.source} -> {move.target} ({decision.reason})")
     if dry_run:
-        return decision.next_interval_s or interval, False
+        return decision.next_interval_s or interval, False, decision.reason
     mover.request(decision.moves)
     # Flux: the next interval is as long as the move phase (None); wait for the moves to finish.
     while decision.next_interval_s is None and mover.in_flight():
         mover.step()
         time.sleep(TICK_S)
     phase = time.monotonic() - started
-    return decision.next_interval_s or max(phase, 0.25), True
+    return decision.next_interval_s or max(phase, 0.25), True, decision.reason

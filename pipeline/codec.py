@@ -104,6 +104,11 @@ def _header(buf: bytes, kind: int) -> tuple[int, int]:
     return n, extra
 
 
+def tuple_count(buf: bytes) -> int:
+    """How many tuples a tuple batch holds, from its header alone."""
+    return _header(buf, KIND_TUPLES)[0]
+
+
 def decode_tuples(buf: bytes) -> TupleBatch:
     n, payload_len = _header(buf, KIND_TUPLES)
     expected = HEADER_BYTES + n * (24 + payload_len)

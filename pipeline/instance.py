@@ -78,7 +78,6 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
     home = instance_dir(cfg, name)
     checkpoint = home / "checkpoint"
     spark.dataSource.register(FluxjoinSource)
-    max_messages = max(1, cfg.instance.max_rows_per_batch // cfg.generator.tuples_per_message)
     rows = (
         spark.readStream.format("fluxjoin")
         .option("bootstrap", bootstrap)
@@ -86,7 +85,7 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
         .option("topics", ",".join(cfg.input_topics))
         .option("assignment", str((home / "assignment.json").resolve()))
         .option("partitions", str(cfg.partitions))
-        .option("max_messages", str(max_messages))
+        .option("max_rows", str(cfg.instance.max_rows_per_batch))
         .option("tasks", "2")
         .option("window_ms", str(cfg.window_ms))
         .option("lateness_ms", str(cfg.allowed_lateness_ms))

@@ -43,7 +43,7 @@ from pipeline.operator import (
     KIND_STATS,
 )
 from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, handoff_from_json
-from pipeline.topics import read_topic
+from pipeline.topics import partition_offsets, read_topic
 
 RESULTS_PER_MESSAGE = 8_000  # keeps each results message well under Kafka's 1 MB default
 SNAPSHOT_CHUNK_BYTES = 900_000  # likewise for exported windows
@@ -313,21 +313,12 @@ class ExactlyOnceSink:
 
     def _lag(self, offsets: dict[str, dict[str, int]]) -> dict[str, int]:
         """Per pid: messages in the input topics beyond what this batch processed."""
-        from confluent_kafka import TopicPartition
-        from confluent_kafka.admin import OffsetSpec
-
-        request = {
-            TopicPartition(self.cfg.input_topic(s), int(p)): OffsetSpec.latest()
-            for s, by_pid in offsets.items()
-            for p in by_pid
-        }
-        if not request:
-            return {}
-        lag: dict[str, int] = {}
         topic_stream = {self.cfg.input_topic(s): s for s in self.streams}
-        for tp, fut in self.admin.list_offsets(request, request_timeout=30).items():
-            done = offsets[topic_stream[tp.topic]][str(tp.partition)]
-            lag[str(tp.partition)] = lag.get(str(tp.partition), 0) + max(0, fut.result().offset - done)
+        wanted = [(self.cfg.input_topic(s), int(p)) for s, by_pid in offsets.items() for p in by_pid]
+        lag: dict[str, int] = {}
+        for (topic, pid), end in partition_offsets(self.admin, wanted).items():
+            done = offsets[topic_stream[topic]][str(pid)]
+            lag[str(pid)] = lag.get(str(pid), 0) + max(0, end - done)
         return lag
 
     def close(self) -> None:

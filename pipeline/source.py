@@ -153,22 +153,34 @@ def plan_partitions(ranges: Sequence[PidRange], max_tasks: int) -> list[list[Pid
     return tasks
 
 
-def limit_offsets(start: Offsets, latest: Offsets, max_messages: int) -> Offsets:
-    """Cap a batch at `max_messages`, shared in proportion to each pid's backlog so all streams and
-    pids advance together in event time (the window join needs its inputs roughly aligned)."""
-    backlog = {
-        (s, p): latest[s][p] - start.get(s, {}).get(p, latest[s][p]) for s in latest for p in latest[s]
+def whole_pids_within(start: Offsets, latest: Offsets, cap: int, first_pid: int) -> tuple[Offsets, int]:
+    """Cap a batch at about `cap` messages by taking whole pids (every stream of a pid up to its latest
+    offset) round robin from `first_pid`; returns the end offsets and the pid to start from next time.
+
+    Whole pids keep a pid's streams aligned in event time: cutting each stream's backlog separately lets
+    a sparse stream run seconds ahead of a dense one, and the pid's watermark would then reject the dense
+    stream's tuples as late. At least one pid is taken, however large its backlog.
+    """
+    streams = list(latest)
+    pids = sorted(int(p) for p in latest[streams[0]])
+    if not pids:
+        return latest, first_pid
+    order = [p for p in pids if p >= first_pid] + [p for p in pids if p < first_pid]
+    out: Offsets = {
+        s: {str(p): start.get(s, {}).get(str(p), latest[s][str(p)]) for p in pids} for s in streams
     }
-    total = sum(backlog.values())
-    if total <= max_messages:
-        return latest
-    scale = max_messages / total
-    out: Offsets = {s: {} for s in latest}
-    for s in latest:
-        for p, end in latest[s].items():
-            begin = start.get(s, {}).get(p, end)
-            out[s][p] = begin + max(1 if backlog[(s, p)] else 0, int(backlog[(s, p)] * scale))
-    return out
+    taken = 0
+    next_pid = order[0]
+    for i, p in enumerate(order):
+        size = sum(latest[s][str(p)] - out[s][str(p)] for s in streams)
+        if taken and taken + size > cap:
+            next_pid = p
+            break
+        for s in streams:
+            out[s][str(p)] = latest[s][str(p)]
+        taken += size
+        next_pid = order[(i + 1) % len(order)]
+    return out, next_pid
 
 
 # --- Spark wiring ---
@@ -176,8 +188,8 @@ def limit_offsets(start: Offsets, latest: Offsets, max_messages: int) -> Offsets
 
 class FluxjoinSource(DataSource):
     """Options: `bootstrap`, `streams` (comma separated, configured order), `topics` (same order),
-    `assignment` (path of the assignment file), `partitions` (P), `max_messages` (Kafka messages per
-    batch, the source's default read limit), `tasks` (read parallelism), `window_ms` and
+    `assignment` (path of the assignment file), `partitions` (P), `max_rows` (tuples per batch, about:
+    the source's default read limit), `tasks` (read parallelism), `window_ms` and
     `lateness_ms` (how far back a replayed window reaches)."""
 
     @classmethod
@@ -206,26 +218,24 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self.topics = options["topics"].split(",")
         self.assignment_path = Path(options["assignment"])
         self.partition_count = int(options["partitions"])
-        self.max_messages = int(options.get("max_messages", "1000"))
+        self.max_rows = int(options.get("max_rows", "200000"))
         self.tasks = int(options.get("tasks", "2"))
         self.reach_back_ms = int(options.get("window_ms", "0")) + 2 * int(options.get("lateness_ms", "0"))
         self._admin: Any = None
+        self._consumer: Any = None
 
     def _watermarks(self, pids: Sequence[int], spec: str) -> dict[str, dict[str, int]]:
-        from confluent_kafka import TopicPartition
-        from confluent_kafka.admin import AdminClient, OffsetSpec
+        from confluent_kafka.admin import AdminClient
+
+        from pipeline.topics import partition_offsets
 
         if self._admin is None:
             self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        wanted = OffsetSpec.latest() if spec == "latest" else OffsetSpec.earliest()
-        request = {TopicPartition(t, p): wanted for t in self.topics for p in pids}
-        out: dict[str, dict[str, int]] = {s: {} for s in self.streams}
-        if not request:
-            return out
-        futures = self._admin.list_offsets(request, request_timeout=30)
+        found = partition_offsets(self._admin, [(t, p) for t in self.topics for p in pids], spec == "latest")
         topic_to_stream = dict(zip(self.topics, self.streams, strict=True))
-        for tp, fut in futures.items():
-            out[topic_to_stream[tp.topic]][str(tp.partition)] = fut.result().offset
+        out: dict[str, dict[str, int]] = {s: {} for s in self.streams}
+        for (topic, pid), offset in found.items():
+            out[topic_to_stream[topic]][str(pid)] = offset
         return out
 
     def initialOffset(self) -> dict:
@@ -313,12 +323,48 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         latest = self._watermarks(pids, "latest")
         if isinstance(limit, ReadAllAvailable):
             return {"epoch": owned.epoch, "offsets": latest}
-        cap = limit.max_rows if isinstance(limit, ReadMaxRows) else self.max_messages
-        return {"epoch": owned.epoch, "offsets": limit_offsets(start["offsets"], latest, cap)}
+        rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.max_rows
+        backlog = sum(latest[s][p] - start["offsets"][s][p] for s in latest for p in latest[s])
+        cap = max(1, int(rows / self._tuples_per_message(start["offsets"], latest)))
+        if backlog <= cap:
+            return {"epoch": owned.epoch, "offsets": latest}
+        cut, next_pid = whole_pids_within(start["offsets"], latest, cap, int(start.get("next_pid", 0)))
+        return {"epoch": owned.epoch, "offsets": cut, "next_pid": next_pid}
+
+    def _tuples_per_message(self, start: Offsets, latest: Offsets, samples: int = 4) -> float:
+        """Tuples per message, from the newest message of the partitions with the largest backlogs:
+        real-time producing packs a few tuples per message, catching up hundreds."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        from pipeline.codec import MalformedRecord, tuple_count
+
+        topic_of = dict(zip(self.streams, self.topics, strict=True))
+        largest = sorted(
+            (
+                (latest[s][p] - start[s][p], s, p)
+                for s in latest
+                for p in latest[s]
+                if latest[s][p] > start[s][p]
+            ),
+            reverse=True,
+        )[:samples]
+        if self._consumer is None:
+            self._consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "fluxjoin-unused"})
+        counts = []
+        for _, s, p in largest:
+            self._consumer.assign([TopicPartition(topic_of[s], int(p), latest[s][p] - 1)])
+            for msg in self._consumer.consume(num_messages=1, timeout=5):
+                value = msg.value() if msg.error() is None else None
+                if value is not None:
+                    try:
+                        counts.append(tuple_count(value))
+                    except MalformedRecord:
+                        continue
+        return max(1.0, sum(counts) / len(counts)) if counts else 1.0
 
     def getDefaultReadLimit(self) -> ReadLimit:
-        """Batches are capped in Kafka messages (each carries up to `tuples_per_message` tuples)."""
-        return ReadMaxRows(self.max_messages)
+        """Batches are capped at about `max_rows` tuples (whole pids at a time)."""
+        return ReadMaxRows(self.max_rows)
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         ranges = [
@@ -355,6 +401,9 @@ class FluxjoinStreamReader(DataSourceStreamReader):
 
     def stop(self) -> None:
         self._admin = None
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
 
 
 def handoff_rows(bootstrap: str, work: HandoffWork, streams: int) -> Iterator[pa.RecordBatch]:

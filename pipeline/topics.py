@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -206,5 +206,28 @@ def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float =
             if not error.retriable() and error.code() != KafkaError.NOT_LEADER_FOR_PARTITION:
                 raise
             if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def partition_offsets(
+    admin: AdminClient, partitions: Iterable[tuple[str, int]], latest: bool = True, timeout_s: float = 30.0
+) -> dict[tuple[str, int], int]:
+    """(topic, partition) -> end offset (or log start offset), retrying while new topics elect leaders."""
+    from confluent_kafka.admin import OffsetSpec
+
+    spec = OffsetSpec.latest() if latest else OffsetSpec.earliest()
+    request = {TopicPartition(t, p): spec for t, p in partitions}
+    if not request:
+        return {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            futures = admin.list_offsets(request, request_timeout=timeout_s)
+            return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
+        except KafkaException as exc:
+            error = exc.args[0]
+            retry = error.retriable() or error.code() == KafkaError.NOT_LEADER_FOR_PARTITION
+            if not retry or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)

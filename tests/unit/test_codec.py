@@ -130,3 +130,13 @@ def test_malformed_results_say_why(buf: bytes, reason: str) -> None:
 def test_malformed_record_is_a_value_error() -> None:
     # Consumers route ValueErrors from decoding to the dead-letter topic.
     assert issubclass(MalformedRecord, ValueError)
+
+
+def test_tuple_count_reads_the_header_only() -> None:
+    from pipeline.codec import tuple_count
+
+    ids = np.arange(7, dtype=np.int64)
+    buf = encode_tuples(ids, ids, ids, np.zeros((7, 3), dtype=np.uint8))
+    assert tuple_count(buf) == 7
+    with pytest.raises(MalformedRecord):
+        tuple_count(buf[:5])

@@ -1,0 +1,40 @@
+"""How the instance's source caps a batch: whole pids, round robin (pure part of pipeline/source.py)."""
+
+from __future__ import annotations
+
+from pipeline.source import whole_pids_within
+
+
+def offsets(**by_stream: dict[int, int]) -> dict[str, dict[str, int]]:
+    return {s: {str(p): o for p, o in v.items()} for s, v in by_stream.items()}
+
+
+START = offsets(A={0: 0, 1: 0, 2: 0}, B={0: 0, 1: 0, 2: 0})
+LATEST = offsets(A={0: 10, 1: 2, 2: 30}, B={0: 1, 1: 20, 2: 30})
+
+
+def test_a_pid_is_taken_whole_or_not_at_all() -> None:
+    cut, next_pid = whole_pids_within(START, LATEST, cap=35, first_pid=0)
+    assert cut == offsets(A={0: 10, 1: 2, 2: 0}, B={0: 1, 1: 20, 2: 0})  # 11 + 22 messages
+    assert next_pid == 2
+
+
+def test_the_next_batch_starts_where_the_last_stopped_and_wraps_round() -> None:
+    cut, next_pid = whole_pids_within(START, LATEST, cap=35, first_pid=2)
+    assert cut == offsets(A={0: 0, 1: 0, 2: 30}, B={0: 0, 1: 0, 2: 30})  # pid 2 alone is over the cap
+    assert next_pid == 0
+
+
+def test_every_pid_is_served_within_a_round() -> None:
+    served: set[int] = set()
+    start, first = START, 0
+    for _ in range(3):
+        cut, first = whole_pids_within(start, LATEST, cap=5, first_pid=first)
+        served |= {int(p) for p in cut["A"] if cut["A"][p] == LATEST["A"][p]}
+        start = cut
+    assert served == {0, 1, 2}
+
+
+def test_nothing_to_cut_without_pids() -> None:
+    empty = offsets(A={}, B={})
+    assert whole_pids_within(empty, empty, cap=5, first_pid=3) == (empty, 3)
