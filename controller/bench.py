@@ -35,7 +35,22 @@ import pyarrow as pa
 from controller.local import LocalPipeline, MetricsFollower, end_offsets, wait_drained, weighted_percentiles
 from pipeline.config import Config
 
-SPARK_KAFKA_PACKAGE = "org.apache.spark:spark-sql-kafka-0-10_2.13"
+SPARK_KAFKA_POM = Path(__file__).with_name("spark_kafka_pom.xml")
+# The connector and what it needs beyond the jars PySpark ships.
+CONNECTOR_JARS = ("spark-sql-kafka-0-10", "spark-token-provider-kafka-0-10", "kafka-clients", "commons-pool2")
+
+
+def connector_jars() -> list[Path]:
+    """Spark's Kafka connector jars, fetched with Maven into the cache on first use."""
+    import hashlib
+
+    from controller.kafka_runtime import cache_dir, ensure_maven_jars
+
+    key = hashlib.sha256(SPARK_KAFKA_POM.read_bytes()).hexdigest()[:12]
+    libs = ensure_maven_jars(
+        SPARK_KAFKA_POM, cache_dir() / "spark-kafka" / key, "Spark's Kafka connector", "spark-sql-kafka"
+    )
+    return sorted(j for j in libs.glob("*.jar") if j.name.startswith(CONNECTOR_JARS))
 
 
 def catchup_config(base: Config, pipeline: str, tuples: int) -> Config:
@@ -140,19 +155,13 @@ def decode_messages(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatc
 
 def measure_builtin(cfg: Config, bootstrap: str, work: Path, say: Callable[[str], None]) -> dict[str, Any]:
     """Spark's Kafka source + stream-stream interval join on the same topics, counting results."""
-    import pyspark
     from pyspark.sql import functions as F
 
-    from controller.kafka_runtime import cache_dir
     from pipeline.instance import spark_session
 
-    package = f"{SPARK_KAFKA_PACKAGE}:{pyspark.__version__}"
-    say(f"built-in: Spark with {package} (fetched from Maven Central into the cache on first use)")
-    spark = spark_session(
-        cfg,
-        "fluxjoin-bench-builtin",
-        {"spark.jars.packages": package, "spark.jars.ivy": str(cache_dir() / "ivy")},
-    )
+    jars = connector_jars()
+    say(f"built-in: Spark's Kafka source with {', '.join(j.name for j in jars)}")
+    spark = spark_session(cfg, "fluxjoin-bench-builtin", {"spark.jars": ",".join(str(j) for j in jars)})
     max_messages = max(1, cfg.instance.max_rows_per_batch // cfg.generator.tuples_per_message)
     lateness = f"{cfg.allowed_lateness_ms} milliseconds"
 

@@ -93,8 +93,8 @@ def _locked(path: Path) -> Iterator[None]:
 # --- jars -------------------------------------------------------------------------------------------
 
 
-def _pom_hash() -> str:
-    return hashlib.sha256(POM.read_bytes()).hexdigest()[:12]
+def _pom_hash(pom: Path = POM) -> str:
+    return hashlib.sha256(pom.read_bytes()).hexdigest()[:12]
 
 
 def _jars_root() -> Path:
@@ -120,22 +120,29 @@ _UNREACHABLE = ("Could not transfer", "UnknownHost", "Connect to", "timed out", 
 
 def ensure_jars(progress: bool = True) -> Path:
     """The `libs/` directory of Kafka KAFKA_VERSION, fetched from Maven Central on first use."""
-    root = _jars_root()
+    return ensure_maven_jars(
+        POM, _jars_root(), f"Apache Kafka {KAFKA_VERSION}", f"kafka_2.13-{KAFKA_VERSION}", progress
+    )
+
+
+def ensure_maven_jars(pom: Path, root: Path, label: str, expect: str, progress: bool = True) -> Path:
+    """`root/libs`: the runtime dependencies of `pom`, fetched with Maven (checksums verified) into the
+    cache once; `expect` is the file-name prefix of a jar that must be among them."""
     libs, marker = root / "libs", root / "complete"
     if marker.is_file():
         return libs
     with _locked(root.parent / f"{root.name}.lock"):
         if marker.is_file():  # another process finished the fetch while we waited
             return libs
-        _fetch_jars(root, progress)
+        _fetch_jars(pom, root, label, expect, progress)
     return libs
 
 
-def _fetch_jars(root: Path, progress: bool) -> None:
+def _fetch_jars(pom: Path, root: Path, label: str, expect: str, progress: bool) -> None:
     mvn = shutil.which("mvn")
     if mvn is None:
         raise KafkaRuntimeError(
-            "no `mvn` found: the Kafka broker's jars are fetched from Maven Central with Maven "
+            f"no `mvn` found: {label} is fetched from Maven Central with Maven "
             "(Debian: apt-get install maven)"
         )
     _java()
@@ -143,14 +150,14 @@ def _fetch_jars(root: Path, progress: bool) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     shutil.rmtree(libs, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(POM, root / "pom.xml")  # mvn writes next to its pom; the package dir may be read-only
+    shutil.copyfile(pom, root / "pom.xml")  # mvn writes next to its pom; the package dir may be read-only
     cmd = [
         mvn, "-B", "-C", "-f", str(root / "pom.xml"),
         f"-Dmaven.repo.local={cache_dir() / 'kafka' / 'm2'}",
-        "dependency:copy-dependencies", f"-DoutputDirectory={partial}",
+        "dependency:copy-dependencies", "-DincludeScope=runtime", f"-DoutputDirectory={partial}",
     ]  # fmt: skip
     if progress:
-        _say(f"fetching Apache Kafka {KAFKA_VERSION} from Maven Central (first run only) ...")
+        _say(f"fetching {label} from Maven Central (first run only) ...")
     t0 = time.monotonic()
     output: list[str] = []
     fetched = 0
@@ -169,16 +176,16 @@ def _fetch_jars(root: Path, progress: bool) -> None:
             "Maven Central (repo.maven.apache.org) is not reachable: check the network or the proxy and "
             "mirror settings in ~/.m2/settings.xml"
             if unreachable
-            else "Maven could not resolve the Kafka jars"
+            else f"Maven could not resolve {label}"
         )
         raise KafkaRuntimeError(f"{hint}.\nmvn output (last lines):\n{tail}")
     jars = sorted(p.name for p in partial.glob("*.jar"))
-    if not any(name.startswith(f"kafka_2.13-{KAFKA_VERSION}") for name in jars):
-        raise KafkaRuntimeError(f"Maven finished but {partial} holds no kafka_2.13-{KAFKA_VERSION} jar")
+    if not any(name.startswith(expect) for name in jars):
+        raise KafkaRuntimeError(f"Maven finished but {partial} holds no {expect} jar")
     partial.rename(libs)
     (root / "complete").write_text("\n".join(jars) + "\n")
     if progress:
-        _say(f"Kafka {KAFKA_VERSION}: {len(jars)} jars in {libs} ({time.monotonic() - t0:.1f} s)")
+        _say(f"{label}: {len(jars)} jars in {libs} ({time.monotonic() - t0:.1f} s)")
 
 
 # --- broker configuration (pure) ---------------------------------------------------------------------

@@ -52,6 +52,7 @@ RELEASE_ROW = -2  # the pid leaves this instance; key = 1 to export its window
 WATERMARK_ROW = -3  # ts = the watermark of an installed snapshot
 WINDOW_ROW = 16  # WINDOW_ROW + j: a window tuple of stream j to install, not to join
 _READ_TIMEOUT_S = 60.0
+SAMPLE_EVERY_S = 30.0
 
 
 # --- the assignment file: written by the instance's control follower, read at batch boundaries ---
@@ -223,6 +224,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self.reach_back_ms = int(options.get("window_ms", "0")) + 2 * int(options.get("lateness_ms", "0"))
         self._admin: Any = None
         self._consumer: Any = None
+        self._per_message: float | None = None
+        self._sampled_at = 0.0
 
     def _watermarks(self, pids: Sequence[int], spec: str) -> dict[str, dict[str, int]]:
         from confluent_kafka.admin import AdminClient
@@ -333,7 +336,15 @@ class FluxjoinStreamReader(DataSourceStreamReader):
 
     def _tuples_per_message(self, start: Offsets, latest: Offsets, samples: int = 4) -> float:
         """Tuples per message, from the newest message of the partitions with the largest backlogs:
-        real-time producing packs a few tuples per message, catching up hundreds."""
+        real-time producing packs a few tuples per message, catching up hundreds. Sampled again every
+        SAMPLE_EVERY_S seconds, not every batch (each sample is a fetch)."""
+        now = time.monotonic()
+        if self._per_message is None or now - self._sampled_at > SAMPLE_EVERY_S:
+            self._per_message = self._sample_tuples_per_message(start, latest, samples)
+            self._sampled_at = now
+        return self._per_message
+
+    def _sample_tuples_per_message(self, start: Offsets, latest: Offsets, samples: int) -> float:
         from confluent_kafka import Consumer, TopicPartition
 
         from pipeline.codec import MalformedRecord, tuple_count

@@ -83,7 +83,7 @@ def test_ensure_jars_trusts_only_a_completed_fetch(
     assert root.parent == private_cache / "kafka" and root.name.startswith(kr.KAFKA_VERSION + "-")
     (root / "libs").mkdir(parents=True)
     fetches: list[Path] = []
-    monkeypatch.setattr(kr, "_fetch_jars", lambda root, progress: fetches.append(root))
+    monkeypatch.setattr(kr, "_fetch_jars", lambda pom, root, label, expect, progress: fetches.append(root))
     kr.ensure_jars(progress=False)
     assert fetches == [root], "libs/ without the completion marker is a broken fetch: fetch again"
     (root / "complete").write_text("kafka_2.13.jar\n")
