@@ -282,31 +282,22 @@ def run_throughput_bench(
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run (a) `repeats` times and (b) once; return the summary (also written under reports/bench/)."""
-    from controller import kafka_runtime
+    from controller.kafka_runtime import broker_unless
     from generator.producer import run_generator
 
-    started_broker = not cfg.bootstrap
-    bootstrap = cfg.bootstrap or kafka_runtime.start()
     run_id = f"bench-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     out = Path("reports") / "bench" / run_id
     work = Path(cfg.instance.work_dir).resolve() / run_id
     ours, builtin = [], []
-    try:
+    with broker_unless(cfg.bootstrap) as bootstrap:
         for i in range(repeats):
             c = catchup_config(cfg, f"{run_id}-catchup-{i}", tuples)
             say(f"[{i + 1}/{repeats}] pre-loading {tuples:,} tuples into {', '.join(c.input_topics)}")
             run_generator(c, bootstrap)
             ours.append(measure_fluxjoin(c, bootstrap, work / f"catchup-{i}", say))
             builtin.append(measure_builtin(c, bootstrap, work / f"catchup-{i}", say))
-        lat = measure_latency(
-            latency_config(cfg, f"{run_id}-latency", latency_rate, latency_s),
-            bootstrap,
-            work / "latency",
-            say,
-        )
-    finally:
-        if started_broker:
-            kafka_runtime.stop()
+        lat_cfg = latency_config(cfg, f"{run_id}-latency", latency_rate, latency_s)
+        lat = measure_latency(lat_cfg, bootstrap, work / "latency", say)
     ours_rate = statistics.median(r["tuples_per_s"] for r in ours)
     builtin_rate = statistics.median(r["tuples_per_s"] for r in builtin)
     summary = {
@@ -415,14 +406,12 @@ def run_skew_bench(
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Both policies at each rate (ascending), side by side; stops a policy at its first failed rate."""
-    from controller import kafka_runtime
+    from controller.kafka_runtime import broker_unless
 
-    started_broker = not cfg.bootstrap
-    bootstrap = cfg.bootstrap or kafka_runtime.start()
     run_id = f"bench-skew-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     work = Path(cfg.instance.work_dir).resolve() / run_id
     points: dict[str, dict[float, dict[str, Any]]] = {"static": {}, "flux": {}}
-    try:
+    with broker_unless(cfg.bootstrap) as bootstrap:
         for rate in sorted(rates):
             for policy in ("static", "flux"):
                 earlier = points[policy]
@@ -431,9 +420,6 @@ def run_skew_bench(
                 name = f"{run_id}-{policy}-{int(rate)}"
                 c = skew_config(cfg, name, rate, seconds, instances, cpu)
                 earlier[rate] = measure_skew_point(c, bootstrap, work / name, policy, say)
-    finally:
-        if started_broker:
-            kafka_runtime.stop()
     summary: dict[str, Any] = {}
     for policy, by_rate in points.items():
         ok = [r for r, p in by_rate.items() if p["sustained"]]
@@ -574,21 +560,16 @@ def run_move_cost_bench(
     steady_s: float = 15,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    from controller import kafka_runtime
+    from controller.kafka_runtime import broker_unless
 
-    started_broker = not cfg.bootstrap
-    bootstrap = cfg.bootstrap or kafka_runtime.start()
     run_id = f"bench-move-cost-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     work = Path(cfg.instance.work_dir).resolve() / run_id
     summary: dict[str, Any] = {}
-    try:
+    with broker_unless(cfg.bootstrap) as bootstrap:
         for w in windows_ms:
             seconds = w / 1000 + 15 + 4 * steady_s + 60
             c = move_cost_config(cfg, f"{run_id}-w{w}", w, rate, seconds)
             summary[str(w)] = measure_move_cost(c, bootstrap, work / f"w{w}", steady_s, say)
-    finally:
-        if started_broker:
-            kafka_runtime.stop()
     out = Path("reports") / "bench" / run_id
     out.mkdir(parents=True, exist_ok=True)
     (out / "move_cost.json").write_text(json.dumps(summary, indent=2))

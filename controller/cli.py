@@ -451,16 +451,12 @@ def bench_soak(
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
     name = f"soak-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     soak_cfg = soak_config(cfg, name, seconds=max(120.0, 5.0 * moves))
-    started_broker = not cfg.bootstrap
-    address = cfg.bootstrap or kafka_runtime.start()
     try:
-        work = Path(cfg.instance.work_dir).resolve() / name
-        report, done = run_soak(soak_cfg, address, work, SoakPlan(moves=moves, seed=seed), say)
+        with kafka_runtime.broker_unless(cfg.bootstrap) as address:
+            work = Path(cfg.instance.work_dir).resolve() / name
+            report, done = run_soak(soak_cfg, address, work, SoakPlan(moves=moves, seed=seed), say)
     except _user_errors() as exc:
         fail(str(exc))
-    finally:
-        if started_broker:
-            kafka_runtime.stop()
     summary = {**done, **report.as_dict(), "seed": seed, "pipeline": name}
     print(json.dumps(summary) if json_ else report.describe())
     raise typer.Exit(0 if report.exact else 1)

@@ -152,15 +152,21 @@ def write_report(out: Path, cfg: Config, stats: LiveStats, summary: dict[str, An
 
 def run_demo(cfg: Config, duration_s: float, json_output: bool, policy: str = "flux") -> dict[str, Any]:
     from controller import kafka_runtime
-    from pipeline.oracle import verify_pipeline
-    from pipeline.topics import check_reachable, ensure_topics
 
     console = Console(stderr=True)
     cfg = demo_config(cfg, duration_s)
-    started_broker = not cfg.bootstrap
-    if started_broker:
+    if not cfg.bootstrap:
         console.print("starting the embedded Kafka broker ...")
-    bootstrap = cfg.bootstrap or kafka_runtime.start()
+    with kafka_runtime.broker_unless(cfg.bootstrap) as bootstrap:
+        return _run_and_verify(cfg, bootstrap, console, json_output, policy)
+
+
+def _run_and_verify(
+    cfg: Config, bootstrap: str, console: Console, json_output: bool, policy: str
+) -> dict[str, Any]:
+    from pipeline.oracle import verify_pipeline
+    from pipeline.topics import check_reachable, ensure_topics
+
     summary: dict[str, Any] = {"pipeline": cfg.pipeline, "exact": False}
     pipeline: LocalPipeline | None = None
     try:
@@ -196,8 +202,6 @@ def run_demo(cfg: Config, duration_s: float, json_output: bool, policy: str = "f
     finally:
         if pipeline is not None:
             pipeline.stop()
-        if started_broker:
-            kafka_runtime.stop()
     return summary
 
 

@@ -433,6 +433,19 @@ def stop(port: int = 9092) -> None:
     _pid_file(port).unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def broker_unless(bootstrap: str | None) -> Iterator[str]:
+    """`bootstrap` when given; otherwise the embedded broker, started for the block and stopped after it."""
+    if bootstrap:
+        yield bootstrap
+        return
+    address = start()
+    try:
+        yield address
+    finally:
+        stop()
+
+
 # --- broker image for the integration tests ----------------------------------------------------------
 
 
