@@ -23,7 +23,6 @@ import numpy as np
 import yaml
 
 from pipeline.config import Config
-from pipeline.partitioning import contiguous_ranges
 
 
 def pid_spec(pids: range | list[int]) -> str:
@@ -70,14 +69,6 @@ class LocalPipeline:
         """Start `name` on static `pids`, or (None) on what the controller assigns it."""
         static = ["--pids", pid_spec(pids)] if pids is not None else []
         self._spawn(name, ["instance", "--name", name, *static], self.cfg.instance.cpu_limit)
-
-    def start_instances(self, count: int) -> list[str]:
-        names = []
-        for i, pids in enumerate(contiguous_ranges(self.cfg.partitions, count)):
-            name = f"instance-{i}"
-            self.start_instance(name, pids)
-            names.append(name)
-        return names
 
     def start_generator(self) -> None:
         self._spawn("generator", ["generate"])

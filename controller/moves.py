@@ -90,10 +90,9 @@ def plan_step(
             evicted.remove(entry)
             said.append(f"{name} rejoined as a new, empty instance")
 
-    involved = (
-        set(owners.values()) | {m.source for m in moving.values()} | {m.target for m in moving.values()}
-    )
-    dead = sorted(i for i in involved if i in liveness.dead)
+    # Every dead instance not yet evicted, with pids or without: on return it must start empty either way.
+    already = {e.partition("@")[0] for e in evicted}
+    dead = sorted(i for i in liveness.dead if i not in already)
     if dead:
         survivors = sorted(i for i in liveness.live if i not in dead and not _is_evicted(i, evicted))
         if not survivors:

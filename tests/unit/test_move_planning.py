@@ -115,3 +115,11 @@ def test_an_evicted_instance_rejoins_under_a_new_incarnation_only() -> None:
 
 def test_no_assignment_means_nothing_to_do() -> None:
     assert step(ControlView(), requested=[MOVE]) is None
+
+
+def test_a_dead_instance_without_pids_is_evicted_once() -> None:
+    view = fold([AssignmentMsg(epoch=3, owners={0: "b", 1: "b", 2: "b", 3: "c"})])
+    dead = Liveness(live={"b": "ib", "c": "ic"}, dead=frozenset({"a"}), incarnations={"a": "ia"})
+    msg = step(view, dead)
+    assert msg is not None and msg.evicted == ("a@ia",) and dict(msg.owners) == dict(view.assignment.owners)  # type: ignore[union-attr]
+    assert step(view.apply(msg), dead) is None, "evicted once"
