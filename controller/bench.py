@@ -53,6 +53,20 @@ def connector_jars() -> list[Path]:
     return sorted(j for j in libs.glob("*.jar") if j.name.startswith(CONNECTOR_JARS))
 
 
+def new_run(cfg: Config, kind: str) -> tuple[str, Path]:
+    """A fresh run id (also the prefix of the run's pipeline names) and its work directory."""
+    run_id = f"bench-{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    return run_id, Path(cfg.instance.work_dir).resolve() / run_id
+
+
+def save_report(run_id: str, name: str, summary: dict[str, Any], say: Callable[[str], None]) -> None:
+    """Write the summary to reports/bench/<run id>/<name>.json and say where."""
+    out = Path("reports") / "bench" / run_id
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
+    say(f"report: {out / f'{name}.json'}")
+
+
 def catchup_config(base: Config, pipeline: str, tuples: int) -> Config:
     """2-way, W = 10 s, P = 64; 50K tuples/s of event time per stream over 500K uniform keys gives
     rate x W / keys = 1 result per input tuple."""
@@ -285,9 +299,7 @@ def run_throughput_bench(
     from controller.kafka_runtime import broker_unless
     from generator.producer import run_generator
 
-    run_id = f"bench-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
-    out = Path("reports") / "bench" / run_id
-    work = Path(cfg.instance.work_dir).resolve() / run_id
+    run_id, work = new_run(cfg, "throughput")
     ours, builtin = [], []
     with broker_unless(cfg.bootstrap) as bootstrap:
         for i in range(repeats):
@@ -312,9 +324,7 @@ def run_throughput_bench(
         "latency_rate": latency_rate,
         "runs": {"fluxjoin": ours, "builtin": builtin, "latency": lat},
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "throughput.json").write_text(json.dumps(summary, indent=2))
-    say(f"report: {out / 'throughput.json'}")
+    save_report(run_id, "throughput", summary, say)
     return summary
 
 
@@ -408,8 +418,7 @@ def run_skew_bench(
     """Both policies at each rate (ascending), side by side; stops a policy at its first failed rate."""
     from controller.kafka_runtime import broker_unless
 
-    run_id = f"bench-skew-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
-    work = Path(cfg.instance.work_dir).resolve() / run_id
+    run_id, work = new_run(cfg, "skew")
     points: dict[str, dict[float, dict[str, Any]]] = {"static": {}, "flux": {}}
     with broker_unless(cfg.bootstrap) as bootstrap:
         for rate in sorted(rates):
@@ -431,10 +440,7 @@ def run_skew_bench(
             "latency_p99_s": at.get("latency_p99_s"),
             "points": {str(int(r)): p for r, p in sorted(by_rate.items())},
         }
-    out = Path("reports") / "bench" / run_id
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "skew.json").write_text(json.dumps(summary, indent=2))
-    say(f"report: {out / 'skew.json'}")
+    save_report(run_id, "skew", summary, say)
     return summary
 
 
@@ -565,16 +571,12 @@ def run_move_cost_bench(
 ) -> dict[str, Any]:
     from controller.kafka_runtime import broker_unless
 
-    run_id = f"bench-move-cost-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
-    work = Path(cfg.instance.work_dir).resolve() / run_id
+    run_id, work = new_run(cfg, "move-cost")
     summary: dict[str, Any] = {}
     with broker_unless(cfg.bootstrap) as bootstrap:
         for w in windows_ms:
             seconds = w / 1000 + 15 + 4 * steady_s + 60
             c = move_cost_config(cfg, f"{run_id}-w{w}", w, rate, seconds)
             summary[str(w)] = measure_move_cost(c, bootstrap, work / f"w{w}", steady_s, say)
-    out = Path("reports") / "bench" / run_id
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "move_cost.json").write_text(json.dumps(summary, indent=2))
-    say(f"report: {out / 'move_cost.json'}")
+    save_report(run_id, "move_cost", summary, say)
     return summary

@@ -442,18 +442,16 @@ def bench_soak(
     seed: Annotated[int, typer.Option(help="Seed of the random choices.")] = 7,
 ) -> None:
     """Random moves (both modes) and kill -9s of the controller and of instances, then the oracle."""
-    import uuid
-
     from controller import kafka_runtime
+    from controller.bench import new_run
     from controller.soak import SoakPlan, run_soak, soak_config
 
     cfg = _config(config, set_, bootstrap)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
-    name = f"soak-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    name, work = new_run(cfg, "soak")
     soak_cfg = soak_config(cfg, name, seconds=max(120.0, 5.0 * moves))
     try:
         with kafka_runtime.broker_unless(cfg.bootstrap) as address:
-            work = Path(cfg.instance.work_dir).resolve() / name
             report, done = run_soak(soak_cfg, address, work, SoakPlan(moves=moves, seed=seed), say)
     except _user_errors() as exc:
         fail(str(exc))
