@@ -24,6 +24,8 @@ from pathlib import Path
 import kubernetes
 
 REPO = Path(__file__).resolve().parents[2]
+CRD_FILE = REPO / "charts" / "fluxjoin" / "crds" / "joinpipelines.fluxjoin.io.yaml"
+GROUP, VERSION, PLURAL = "fluxjoin.io", "v1alpha1", "joinpipelines"
 ENSURE_SCRIPT = REPO / "scripts" / "ensure-k8s-tools.sh"
 TOOLS = ("etcd", "kube-apiserver", "kubectl", "helm")
 ADMIN_TOKEN = "fluxjoin-test-admin-token"
@@ -291,3 +293,16 @@ def start_cluster(workdir: Path, bin_dir: Path, ready_timeout: float = 90) -> Ku
         for proc in reversed(procs):
             proc.stop()
         raise
+
+
+def pipeline_manifest(name: str, **spec: object) -> str:
+    """A JoinPipeline as YAML, on an external Kafka, with `spec` fields added."""
+    import yaml
+
+    body = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "JoinPipeline",
+        "metadata": {"name": name},
+        "spec": {"kafka": {"bootstrapServers": "kafka.kafka.svc:9092"}, **spec},
+    }
+    return yaml.safe_dump(body)

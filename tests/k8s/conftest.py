@@ -14,7 +14,7 @@ from pathlib import Path
 import kubernetes
 import pytest
 
-from tests.k8s.cluster import ClusterError, KubeCluster, missing_tools, start_cluster, tools_bin
+from tests.k8s.cluster import CRD_FILE, ClusterError, KubeCluster, missing_tools, start_cluster, tools_bin
 
 K8S_DIR = Path(__file__).resolve().parent
 
@@ -68,3 +68,11 @@ def namespace(kube: KubeCluster, request: pytest.FixtureRequest) -> Iterator[str
         yield name
     finally:
         core.delete_namespace(name)
+
+
+@pytest.fixture(scope="session")
+def crd(kube: KubeCluster) -> Iterator[None]:
+    """The JoinPipeline CRD, installed and established (helm install skips an existing CRD)."""
+    kube.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
+    kube.kubectl("wait", "--for=condition=Established", "crd/joinpipelines.fluxjoin.io", "--timeout=60s")
+    yield

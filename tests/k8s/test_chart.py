@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +12,9 @@ import kubernetes
 import pytest
 import yaml
 
-from tests.k8s.cluster import REPO, KubeCluster
+from tests.k8s.cluster import GROUP, PLURAL, REPO, VERSION, KubeCluster, pipeline_manifest
 
 CHART = REPO / "charts" / "fluxjoin"
-CRD_FILE = CHART / "crds" / "joinpipelines.fluxjoin.io.yaml"
-GROUP, VERSION, PLURAL = "fluxjoin.io", "v1alpha1", "joinpipelines"
 
 # Value sets that together switch on every template of the chart.
 VALUE_SETS: dict[str, list[str]] = {
@@ -31,14 +28,6 @@ VALUE_SETS: dict[str, list[str]] = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="session")
-def crd(kube: KubeCluster) -> Iterator[None]:
-    """The JoinPipeline CRD, installed and established (helm install skips an existing CRD)."""
-    kube.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
-    kube.kubectl("wait", "--for=condition=Established", "crd/joinpipelines.fluxjoin.io", "--timeout=60s")
-    yield
-
-
 def _custom(kube: KubeCluster) -> kubernetes.client.CustomObjectsApi:
     return kubernetes.client.CustomObjectsApi(kube.api_client)
 
@@ -50,7 +39,7 @@ def _plain(kube: KubeCluster, obj: object) -> dict[str, Any]:
     return plain
 
 
-def _get_pipeline(kube: KubeCluster, namespace: str, name: str) -> dict[str, Any]:
+def _getpipeline_manifest(kube: KubeCluster, namespace: str, name: str) -> dict[str, Any]:
     return _plain(kube, _custom(kube).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
 
 
@@ -66,16 +55,6 @@ def _scale(kube: KubeCluster, namespace: str, name: str) -> dict[str, Any]:
     return _plain(
         kube, _custom(kube).get_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL, name)
     )
-
-
-def _pipeline(name: str, **spec: Any) -> str:
-    body = {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "JoinPipeline",
-        "metadata": {"name": name},
-        "spec": {"kafka": {"bootstrapServers": "kafka.kafka.svc:9092"}, **spec},
-    }
-    return yaml.safe_dump(body)
 
 
 def _relative_overlay(tmp_path: Path, namespace: str) -> Path:
@@ -114,7 +93,7 @@ def test_helm_install_creates_every_object(kube: KubeCluster, namespace: str, cr
     rbac.read_namespaced_role("fj-fluxjoin-operator", namespace)
     rbac.read_namespaced_role_binding("fj-fluxjoin-operator", namespace)
 
-    spec = _get_pipeline(kube, namespace, "fj-fluxjoin")["spec"]
+    spec = _getpipeline_manifest(kube, namespace, "fj-fluxjoin")["spec"]
     assert spec["kafka"] == {
         "bootstrapServers": f"fj-fluxjoin-kafka.{namespace}.svc:9092",
         "topicPrefix": "fj-fluxjoin",
@@ -146,7 +125,7 @@ def test_helm_generator_config_is_a_valid_pipeline_config(
 def test_helm_upgrade_and_uninstall(kube: KubeCluster, namespace: str, crd: None) -> None:
     kube.helm("install", "fj", str(CHART), "-n", namespace, *VALUE_SETS["external-kafka"])
     kube.helm("upgrade", "fj", str(CHART), "-n", namespace, "--reuse-values", "--set", "pipeline.replicas=5")
-    assert _get_pipeline(kube, namespace, "fj-fluxjoin")["spec"]["replicas"] == 5
+    assert _getpipeline_manifest(kube, namespace, "fj-fluxjoin")["spec"]["replicas"] == 5
     kube.helm("uninstall", "fj", "-n", namespace)
     assert _list_pipelines(kube, namespace) == []
     # The CRD is never deleted by Helm (it would take every pipeline in the cluster with it).
@@ -196,7 +175,7 @@ def test_helm_rejects_bad_values_with_a_clear_message(
 def test_invalid_pipeline_is_rejected_with_the_validation_messages(
     kube: KubeCluster, namespace: str, crd: None
 ) -> None:
-    bad = _pipeline("bad", partitions=2, replicas=4, windowMs=0)
+    bad = pipeline_manifest("bad", partitions=2, replicas=4, windowMs=0)
     out = kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=bad, check=False)
     assert out.returncode != 0
     assert "partitions must be >= replicas" in out.stderr
@@ -204,7 +183,7 @@ def test_invalid_pipeline_is_rejected_with_the_validation_messages(
     assert "should be greater than or equal to 1" in out.stderr
 
     # The same through the Python client: the API's status carries the rule's message.
-    body = yaml.safe_load(_pipeline("bad2", partitions=1, replicas=2))
+    body = yaml.safe_load(pipeline_manifest("bad2", partitions=1, replicas=2))
     with pytest.raises(kubernetes.client.ApiException) as err:
         _custom(kube).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
     assert err.value.status == 422
@@ -227,14 +206,16 @@ def test_invalid_pipeline_is_rejected_with_the_validation_messages(
 def test_invalid_specs_name_the_field(
     kube: KubeCluster, namespace: str, crd: None, spec: dict[str, Any], message: str
 ) -> None:
-    out = kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=_pipeline("bad", **spec), check=False)
+    out = kube.kubectl(
+        "apply", "-n", namespace, "-f", "-", input_text=pipeline_manifest("bad", **spec), check=False
+    )
     assert out.returncode != 0
     assert message in out.stderr
 
 
 def test_defaults_are_filled_in_by_the_server(kube: KubeCluster, namespace: str, crd: None) -> None:
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=_pipeline("x"))
-    spec = _get_pipeline(kube, namespace, "x")["spec"]
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=pipeline_manifest("x"))
+    spec = _getpipeline_manifest(kube, namespace, "x")["spec"]
     assert spec["streams"] == ["A", "B", "C"]
     assert (spec["windowMs"], spec["partitions"], spec["replicas"]) == (10000, 64, 3)
     assert spec["policy"]["name"] == "flux"
@@ -246,7 +227,7 @@ def test_defaults_are_filled_in_by_the_server(kube: KubeCluster, namespace: str,
 def test_partitions_streams_and_topic_prefix_are_immutable(
     kube: KubeCluster, namespace: str, crd: None
 ) -> None:
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=_pipeline("x"))
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=pipeline_manifest("x"))
     for patch, message in [
         ('{"spec":{"partitions":32}}', "partitions is immutable"),
         ('{"spec":{"streams":["A","B"]}}', "streams is immutable"),
@@ -265,9 +246,9 @@ def test_partitions_streams_and_topic_prefix_are_immutable(
 def test_kubectl_scale_goes_through_the_scale_subresource(
     kube: KubeCluster, namespace: str, crd: None
 ) -> None:
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=_pipeline("x", partitions=8))
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=pipeline_manifest("x", partitions=8))
     kube.kubectl("scale", "-n", namespace, "joinpipeline/x", "--replicas=4")
-    assert _get_pipeline(kube, namespace, "x")["spec"]["replicas"] == 4
+    assert _getpipeline_manifest(kube, namespace, "x")["spec"]["replicas"] == 4
 
     scale = _scale(kube, namespace, "x")
     assert scale["spec"]["replicas"] == 4
@@ -279,13 +260,15 @@ def test_kubectl_scale_goes_through_the_scale_subresource(
     out = kube.kubectl("scale", "-n", namespace, "joinpipeline/x", "--replicas=0", check=False)
     assert out.returncode != 0
     assert "should be greater than or equal to 1" in out.stderr
-    assert _get_pipeline(kube, namespace, "x")["spec"]["replicas"] == 4
+    assert _getpipeline_manifest(kube, namespace, "x")["spec"]["replicas"] == 4
 
 
 def test_status_subresource_feeds_scale_and_printer_columns(
     kube: KubeCluster, namespace: str, crd: None
 ) -> None:
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=_pipeline("x", partitions=8, replicas=2))
+    kube.kubectl(
+        "apply", "-n", namespace, "-f", "-", input_text=pipeline_manifest("x", partitions=8, replicas=2)
+    )
     status = {
         "status": {
             "observedGeneration": 1,
@@ -326,7 +309,7 @@ def test_status_subresource_feeds_scale_and_printer_columns(
         "-p",
         yaml.safe_dump(status),
     )
-    obj = _get_pipeline(kube, namespace, "x")
+    obj = _getpipeline_manifest(kube, namespace, "x")
     assert obj["status"]["epoch"] == 7
     assert obj["status"]["assignment"][1] == {"instance": "x-1", "pids": "4-7", "count": 4}
 
@@ -335,7 +318,7 @@ def test_status_subresource_feeds_scale_and_printer_columns(
 
     # A write to the main resource cannot change status.
     kube.kubectl("patch", "-n", namespace, "joinpipeline/x", "--type=merge", "-p", '{"status":{"epoch":99}}')
-    assert _get_pipeline(kube, namespace, "x")["status"]["epoch"] == 7
+    assert _getpipeline_manifest(kube, namespace, "x")["status"]["epoch"] == 7
 
     table = kube.kubectl("get", "-n", namespace, "joinpipeline/x").stdout.split("\n")
     assert table[0].split() == [
@@ -353,7 +336,7 @@ def test_status_subresource_feeds_scale_and_printer_columns(
 
 
 def test_short_name_and_category(kube: KubeCluster, namespace: str, crd: None) -> None:
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=_pipeline("x"))
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=pipeline_manifest("x"))
     assert (
         kube.kubectl("get", "-n", namespace, "jp", "-o", "name").stdout.strip()
         == "joinpipeline.fluxjoin.io/x"
@@ -364,7 +347,9 @@ def test_short_name_and_category(kube: KubeCluster, namespace: str, crd: None) -
 
 
 def test_pipeline_name_length_is_limited(kube: KubeCluster, namespace: str, crd: None) -> None:
-    out = kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=_pipeline("p" * 41), check=False)
+    out = kube.kubectl(
+        "apply", "-n", namespace, "-f", "-", input_text=pipeline_manifest("p" * 41), check=False
+    )
     assert out.returncode != 0
     assert "metadata.name must be at most 40 characters" in out.stderr
 
@@ -463,7 +448,7 @@ def test_operator_identity_can_write_status_but_not_read_secrets(
         "patch", "-n", namespace, "joinpipeline/fj-fluxjoin", "--subresource=status", "--type=merge",
         "-p", '{"status":{"epoch":1}}', as_sa,
     )  # fmt: skip
-    assert _get_pipeline(kube, namespace, "fj-fluxjoin")["status"]["epoch"] == 1
+    assert _getpipeline_manifest(kube, namespace, "fj-fluxjoin")["status"]["epoch"] == 1
     lease = yaml.safe_dump(
         {
             "apiVersion": "coordination.k8s.io/v1",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +27,9 @@ from controller.cli import app
 from controller.operator import LeaseElector, Operator, OperatorOptions, PidMover, serve_health
 from controller.policies.base import InstanceStats
 from controller.workload import FINALIZER, InstanceSettings, PipelineSpec
-from tests.k8s.cluster import REPO, KubeCluster, free_port
+from tests.k8s.cluster import GROUP, PLURAL, REPO, VERSION, KubeCluster, free_port, pipeline_manifest
 
 CHART = REPO / "charts" / "fluxjoin"
-CRD_FILE = CHART / "crds" / "joinpipelines.fluxjoin.io.yaml"
-GROUP, VERSION, PLURAL = "fluxjoin.io", "v1alpha1", "joinpipelines"
 SETTINGS = InstanceSettings(image="registry.example.com/fluxjoin:0.1.0", pull_secrets=("registry",))
 
 
@@ -92,13 +90,6 @@ class Movers:
         return self.by_name[spec.name]
 
 
-@pytest.fixture(scope="session")
-def crd(kube: KubeCluster) -> Iterator[None]:
-    kube.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
-    kube.kubectl("wait", "--for=condition=Established", "crd/joinpipelines.fluxjoin.io", "--timeout=60s")
-    yield
-
-
 @pytest.fixture
 def movers() -> Movers:
     return Movers()
@@ -109,18 +100,8 @@ def operator(kube: KubeCluster, namespace: str, crd: None, movers: Movers) -> Op
     return Operator(kube.api_client, namespace, movers, SETTINGS)
 
 
-def _pipeline(name: str, **spec: Any) -> str:
-    body = {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "JoinPipeline",
-        "metadata": {"name": name},
-        "spec": {"kafka": {"bootstrapServers": "kafka.kafka.svc:9092"}, **spec},
-    }
-    return yaml.safe_dump(body)
-
-
 def _apply(kube: KubeCluster, namespace: str, name: str, **spec: Any) -> None:
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=_pipeline(name, **spec))
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input_text=pipeline_manifest(name, **spec))
 
 
 def _plain(kube: KubeCluster, obj: object) -> dict[str, Any]:
