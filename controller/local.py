@@ -128,14 +128,10 @@ class LocalPipeline:
 
 def committed_offsets(cfg: Config, bootstrap: str) -> dict[tuple[str, int], int]:
     """(stream, pid) -> next offset that the newest commit marker of its owner says is done."""
-    from pipeline.topics import read_topic
+    from pipeline.sink import newest_markers
 
-    newest: dict[str, dict[str, Any]] = {}
-    for _, _, value in read_topic(bootstrap, cfg.sink_commits_topic):
-        marker = json.loads(value)
-        newest[marker["instance"]] = marker
     done: dict[tuple[str, int], int] = {}
-    for marker in newest.values():
+    for marker in newest_markers(cfg, bootstrap).values():
         for stream, by_pid in marker["offsets"].items():
             for pid, offset in by_pid.items():
                 key = (stream, int(pid))

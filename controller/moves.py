@@ -338,15 +338,11 @@ class KafkaPidMover:
 
     def _newest_markers(self) -> dict[str, dict[str, Any]]:
         """Each instance's newest commit marker (only read when an instance is dead)."""
-        from pipeline.topics import read_topic
+        from pipeline.sink import newest_markers
 
         if not self.observer.liveness().dead:
             return {}
-        newest: dict[str, dict[str, Any]] = {}
-        for _, _, value in read_topic(self.bootstrap, self.cfg.sink_commits_topic):
-            marker = json.loads(value)
-            newest[marker["instance"]] = marker
-        return newest
+        return newest_markers(self.cfg, self.bootstrap)
 
     def _earliest(self, pid: int) -> Mapping[str, int]:
         from pipeline.topics import admin_client, partition_offsets

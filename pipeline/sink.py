@@ -59,14 +59,20 @@ def read_logged_offsets(checkpoint: Path, batch_id: int) -> dict[str, Any]:
     return dict(json.loads(lines[-1]))
 
 
-def last_commit(cfg: Config, bootstrap: str, instance: str, incarnation: str) -> dict[str, Any] | None:
-    """The newest committed marker of this incarnation of `instance` (a checkpoint's life)."""
-    found = None
+def newest_markers(cfg: Config, bootstrap: str) -> dict[str, dict[str, Any]]:
+    """Each instance's newest committed marker, by instance name (read from the commits topic)."""
+    newest: dict[str, dict[str, Any]] = {}
     for _, _, value in read_topic(bootstrap, cfg.sink_commits_topic):
         marker = json.loads(value)
-        if marker["instance"] == instance and marker.get("incarnation") == incarnation:
-            found = marker
-    return found
+        newest[marker["instance"]] = marker
+    return newest
+
+
+def last_commit(cfg: Config, bootstrap: str, instance: str, incarnation: str) -> dict[str, Any] | None:
+    """The newest committed marker of this incarnation of `instance` (a checkpoint's life); an older
+    incarnation's markers all precede the first of a newer one, so the instance's newest marker decides."""
+    marker = newest_markers(cfg, bootstrap).get(instance)
+    return marker if marker is not None and marker.get("incarnation") == incarnation else None
 
 
 def _sample(values: np.ndarray, n: int) -> list[float]:
