@@ -174,7 +174,7 @@ build_helm() {
   local gomod kminor x
   gomod="$(GOFLAGS=-mod=mod "$GO" mod download -json "helm.sh/helm/v3@v$HELM_VERSION" \
     | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')"
-  kminor="$(sed -n 's/^[[:space:]]*k8s.io\/client-go v0\.\([0-9]*\)\..*/\1/p' "$gomod" | head -1)"
+  kminor="$(sed -n 's/^[[:space:]]*k8s.io\/client-go v0\.\([0-9]*\)\..*/\1/p' "$gomod" | sed -n 1p)"
   x="-X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION -X helm.sh/helm/v3/internal/version.metadata="
   for pkg in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
     x+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$kminor"
@@ -192,6 +192,6 @@ build_helm
 log "all tools ready in $((SECONDS - START_ALL)) s:"
 "$BIN/kube-apiserver" --version >&2
 "$BIN/kubectl" version --client >&2
-"$BIN/etcd" --version | head -1 >&2
+"$BIN/etcd" --version | sed -n 1p >&2
 "$BIN/helm" version --short >&2
 echo "$BIN"
