@@ -262,11 +262,17 @@ class KafkaPidMover:
         self.step()
 
     def in_flight(self) -> Sequence[Move]:
-        a = self.log.catch_up().assignment
+        """Moves being released and handoffs being taken; a handoff's source is the instance that
+        released the pid, or "?" for the recovery of a dead instance (nothing was released)."""
+        view = self.log.catch_up()
+        a = view.assignment
         if a is None:
             return []
         moves = [Move(p, m.source, m.target, m.mode) for p, m in a.moving.items()]
-        moves += [Move(p, "?", a.owners[p], h.mode) for p, h in a.handoffs.items() if p in a.owners]
+        for p, h in a.handoffs.items():
+            if p in a.owners:
+                released = view.released.get(h.move_id)
+                moves.append(Move(p, released.instance if released else "?", a.owners[p], h.mode))
         return moves
 
     def ready_instances(self) -> set[str]:

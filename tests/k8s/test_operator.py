@@ -2,7 +2,8 @@
 directions, deletion, leader election and the chart's RBAC.
 
 Moves are carried out by `RecordingMover`, an in-memory `PidMover` the tests drive by hand (which
-instances are ready, when moves complete); these tests check the Kubernetes side, not the moves. The
+instances are ready, when moves complete); these tests check the Kubernetes side, not the moves
+(test_operator_pipeline.py runs the operator with its real mover and real instances). The
 reconcile loop runs one round at a time (`reconcile_once`, `step`), except in the one test of `run()`.
 There is no controller-manager: StatefulSets never create pods or volumes, so the tests create the
 checkpoint volumes themselves where it matters.
