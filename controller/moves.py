@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.assignment import Assignment, Move
-from controller.policies.base import InstanceStats
+from controller.policies.base import InstanceStats, Snapshot
+from controller.rounds import snapshot_of
 from pipeline.config import Config
 from pipeline.control import ControlLog, publish
 from pipeline.protocol import (
@@ -294,6 +295,16 @@ class KafkaPidMover:
             )
             for i in sorted(state)
         }
+
+    def snapshot(self, interval_s: float, now_s: float, last_adaptation_s: float | None) -> Snapshot | None:
+        """The policy's view of the last `interval_s` seconds (`controller.rounds.PolicyMover`)."""
+        current = self.assignment()
+        if current is None:
+            return None
+        in_flight = frozenset(m.pid for m in self.in_flight())
+        live = sorted(self.observer.liveness().live)
+        batches, now_ms = self.observer.batches, time.time() * 1000
+        return snapshot_of(batches, live, current, in_flight, now_ms, interval_s, now_s, last_adaptation_s)
 
     # --- driving ---
 

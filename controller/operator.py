@@ -33,7 +33,8 @@ import kubernetes
 from kubernetes.client import ApiException
 
 from controller.assignment import Assignment, Move
-from controller.policies.base import InstanceStats
+from controller.policies.base import InstanceStats, Snapshot
+from controller.rounds import PolicyRounds
 from controller.scaling import Plan, StepKind, plan_step
 from controller.workload import (
     API_VERSION,
@@ -94,6 +95,10 @@ class PidMover(Protocol):
 
     def step(self) -> object:
         """Advance the moves in flight (called once per round, before the mover's state is read)."""
+        ...
+
+    def snapshot(self, interval_s: float, now_s: float, last_adaptation_s: float | None) -> Snapshot | None:
+        """The pipeline's statistics of the last `interval_s` seconds for the policy, None before epoch 0."""
         ...
 
     def close(self) -> None:
@@ -311,6 +316,7 @@ class Operator:
         elector: LeaseElector | None = None,
         identity: str = FIELD_MANAGER,
         wall: Callable[[], datetime] = _utc_now,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.namespace = namespace
         self.metrics = OperatorMetrics()
@@ -323,7 +329,9 @@ class Operator:
         self._elector = elector
         self._identity = identity
         self._wall = wall
+        self._clock = clock
         self._movers: dict[tuple[str, str], PidMover] = {}
+        self._rounds: dict[tuple[str, str], PolicyRounds] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._watching: kubernetes.watch.Watch | None = None
@@ -426,7 +434,9 @@ class Operator:
         previous: dict[str, Any] = obj.get("status") or {}
         self._report_completed_moves(obj, previous, mover.assignment(), tuple(mover.in_flight()))
         plan = self._plan(spec, mover)
-        acted = self._act(obj, mover, plan)
+        decided = self._act(obj, mover, plan)
+        if decided is None and plan.kind is StepKind.STEADY:
+            decided = self._policy_round(obj, spec, mover)
 
         current = self._read("StatefulSet", spec.name)
         before = current["spec"]["replicas"] if current is not None else None
@@ -443,12 +453,12 @@ class Operator:
 
         # Status shows where the pipeline stands after this round's action, so that the next round,
         # seeing nothing new, renders the same status and writes nothing.
-        settled = self._plan(spec, mover) if acted else plan
+        settled = self._plan(spec, mover) if decided else plan
         assignment, in_flight = mover.assignment(), tuple(mover.in_flight())
         observed = Observed(
             spec=spec,
             plan=settled,
-            decision=plan.reason if acted else None,
+            decision=decided,
             statefulset_replicas=plan.width,
             assignment=assignment,
             in_flight=in_flight,
@@ -468,20 +478,40 @@ class Operator:
             mode=spec.handoff_mode,
         )
 
-    def _act(self, obj: dict[str, Any], mover: PidMover, plan: Plan) -> bool:
-        """Hand the plan's action to the mover, with events; False when the plan asks for no action."""
+    def _act(self, obj: dict[str, Any], mover: PidMover, plan: Plan) -> str | None:
+        """Hand the plan's action to the mover, with events: what was done, None when nothing was."""
         if plan.kind is StepKind.START and plan.initial is not None:
             mover.start(plan.initial)
             self._event(obj, "Started", plan.reason)
-            return True
+            return plan.reason
         if plan.kind in (StepKind.DRAIN, StepKind.SPREAD):
             mover.request(plan.moves)
-            self._event(obj, "Draining" if plan.kind is StepKind.DRAIN else "Spreading", plan.reason)
-            for move in plan.moves:
-                text = f"pid {move.pid}: {move.source} -> {move.target} ({move.mode.value})"
-                self._event(obj, "MoveRequested", text)
-            return True
-        return False
+            self._announce(
+                obj, plan.moves, "Draining" if plan.kind is StepKind.DRAIN else "Spreading", plan.reason
+            )
+            return plan.reason
+        return None
+
+    def _policy_round(self, obj: dict[str, Any], spec: PipelineSpec, mover: PidMover) -> str | None:
+        """Run the pipeline's policy if a round is due (only while no scaling step is under way):
+        what it moved, None when it moved nothing. A changed policy or setting starts over."""
+        key, params = (spec.uid, spec.bootstrap_servers), spec.policy_params()
+        rounds = self._rounds.get(key)
+        if rounds is None or rounds.policy.name != spec.policy or rounds.params != params:
+            rounds = self._rounds[key] = PolicyRounds.begin(spec.policy, params, self._clock())
+        decision = rounds.tick(mover, self._clock())
+        if decision is None or not decision.moves:
+            return None
+        reason = f"policy {spec.policy}: {decision.reason}"
+        self._announce(obj, decision.moves, "Rebalancing", reason)
+        return reason
+
+    def _announce(self, obj: dict[str, Any], moves: Sequence[Move], reason: str, message: str) -> None:
+        """Events for requested moves: one for the step (`reason`, `message`), one per move."""
+        self._event(obj, reason, message)
+        for move in moves:
+            text = f"pid {move.pid}: {move.source} -> {move.target} ({move.mode.value})"
+            self._event(obj, "MoveRequested", text)
 
     def _mover(self, spec: PipelineSpec) -> PidMover:
         key = (spec.uid, spec.bootstrap_servers)
@@ -494,6 +524,7 @@ class Operator:
         """Forget (and close) the movers of pipelines that are gone or no longer led by this replica."""
         for key in [key for key in self._movers if which(key)]:
             self._movers.pop(key).close()
+            self._rounds.pop(key, None)
 
     def _report_completed_moves(
         self,

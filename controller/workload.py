@@ -23,6 +23,7 @@ from typing import Any
 
 from controller.assignment import Assignment, HandoffMode, Move
 from controller.policies.base import InstanceStats
+from controller.rounds import policy_params
 from controller.scaling import Plan, StepKind, instance_name, ordinal_of
 from pipeline.config import Config, InstanceConfig
 
@@ -34,6 +35,11 @@ PIPELINE_LABEL = "fluxjoin.io/pipeline"
 SPEC_HASH_ANNOTATION = "fluxjoin.io/spec-hash"
 CHECKPOINT_VOLUME = "checkpoint"
 WORK_DIR = "/var/lib/fluxjoin/work"
+POLICY_FIELDS = {
+    "flux": {"thImb": "th_imb", "thUtil": "th_util", "deltaS": "delta_s", "deltaMinS": "delta_min_s"},
+    "memory": {"thetaD": "theta_d", "minSpanS": "min_span_s"},
+}
+"""spec.policy.<name>.<field> -> the parameter of that policy it sets."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,6 +67,9 @@ class PipelineSpec:
     resources: Mapping[str, Any] = field(default_factory=dict)
     checkpoint_size: str = "5Gi"
     storage_class: str | None = None
+    policy: str = "flux"
+    policy_settings: Mapping[str, float] = field(default_factory=dict)
+    """The policy's parameters set in the spec, by their `controller.policies` field names."""
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> PipelineSpec:
@@ -74,6 +83,10 @@ class PipelineSpec:
             raise ValueError(
                 f"spec.handoffMode {mode!r} is not supported by this operator: use one of {supported}"
             )
+        policy = spec.get("policy", {})
+        policy_name = policy.get("name", "flux")
+        fields = POLICY_FIELDS.get(policy_name, {})
+        given = policy.get(policy_name, {})
         return cls(
             name=meta["name"],
             namespace=meta["namespace"],
@@ -99,7 +112,16 @@ class PipelineSpec:
             resources=spec.get("resources", {}),
             checkpoint_size=str(checkpoint.get("size", "5Gi")),
             storage_class=checkpoint.get("storageClassName") or None,
+            policy=policy_name,
+            policy_settings={fields[k]: float(v) for k, v in given.items() if k in fields},
         )
+
+    def policy_params(self) -> Any:
+        """The policy's parameters: its defaults, the spec's settings, the pipeline's handoff mode.
+
+        Raises ValueError for settings the policy rejects (the CRD's validation catches most first).
+        """
+        return policy_params(self.policy, self.handoff_mode, **self.policy_settings)
 
     def to_config(self) -> Config:
         """The pipeline in the configuration schema every `fluxjoin` process shares (topic names included)."""

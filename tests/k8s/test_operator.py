@@ -26,7 +26,8 @@ from typer.testing import CliRunner
 from controller.assignment import Assignment, HandoffMode, Move
 from controller.cli import app
 from controller.operator import LeaseElector, Operator, OperatorOptions, PidMover, serve_health
-from controller.policies.base import InstanceStats
+from controller.policies.base import InstanceStats, PidStats, Snapshot
+from controller.rounds import FIRST_ROUND_DELAY_S
 from controller.workload import FINALIZER, InstanceSettings, PipelineSpec
 from tests.k8s.cluster import GROUP, PLURAL, REPO, VERSION, KubeCluster, free_port, pipeline_manifest
 
@@ -43,6 +44,7 @@ class RecordingMover:
     moving: list[Move] = field(default_factory=list)
     ready: set[str] = field(default_factory=set)
     stats: dict[str, InstanceStats] = field(default_factory=dict)
+    tuples: dict[int, int] = field(default_factory=dict)
     calls: list[tuple[str, Any]] = field(default_factory=list)
     ticks: int = 0
     closed: bool = False
@@ -70,6 +72,19 @@ class RecordingMover:
 
     def instance_stats(self) -> Mapping[str, InstanceStats]:
         return self.stats
+
+    def snapshot(self, interval_s: float, now_s: float, last_adaptation_s: float | None) -> Snapshot | None:
+        if self.current is None:
+            return None
+        return Snapshot(
+            now_s=now_s,
+            instances=tuple(self.stats[name] for name in sorted(self.stats)),
+            pids={p: PidStats(pid=p, tuples=n, state_bytes=0, results=0) for p, n in self.tuples.items()},
+            assignment=self.current,
+            moves_in_flight=frozenset(m.pid for m in self.moving),
+            interval_s=interval_s,
+            last_adaptation_s=last_adaptation_s,
+        )
 
     def close(self) -> None:
         self.closed = True
@@ -451,6 +466,47 @@ def test_kubectl_scale_in_drains_first_and_shrinks_only_when_the_ordinals_own_no
 
     operator.reconcile_once()
     assert _reasons(kube, namespace) == reasons
+
+
+# --- policy ---
+
+
+@pytest.mark.parametrize("policy", ["flux", "static"])
+def test_the_pipelines_policy_moves_pids_once_no_scaling_step_is_under_way(
+    kube: KubeCluster, namespace: str, crd: None, movers: Movers, policy: str
+) -> None:
+    clock = FakeClock()
+    operator = Operator(kube.api_client, namespace, movers, SETTINGS, clock=clock)
+    _apply(kube, namespace, "x", partitions=4, replicas=2, policy={"name": policy, "flux": {"thImb": 1.5}})
+    operator.reconcile_once()
+    mover = movers.by_name["x"]
+    mover.ready = {"x-0", "x-1"}
+    mover.stats = {"x-0": InstanceStats("x-0", 1.0, 0), "x-1": InstanceStats("x-1", 0.1, 0)}
+    mover.tuples = {0: 900, 1: 100, 2: 50, 3: 50}  # x-0 owns 0 and 1
+    operator.reconcile_once()
+    clock.now += FIRST_ROUND_DELAY_S - 0.1
+    operator.reconcile_once()
+    assert [call for call, _ in mover.calls] == ["start"], "the first round waits for statistics"
+
+    clock.now += 0.1
+    operator.reconcile_once()
+    if policy == "static":
+        assert [call for call, _ in mover.calls] == ["start"]
+        assert "Rebalancing" not in _reasons(kube, namespace)
+        return
+    # Moving pid 0 (900 of x-0's 1000 tuples) would only swap the imbalance; pid 1 reduces it.
+    assert mover.calls[-1] == ("request", (Move(1, "x-0", "x-1"),))
+    status = _jp(kube, namespace)["status"]
+    assert status["lastDecision"].startswith("policy flux: ")
+    assert status["movesInFlight"] == 1
+    assert _reasons(kube, namespace)[-2:] == ["Rebalancing", "MoveRequested"]
+
+    clock.now += 60
+    operator.reconcile_once()
+    assert len(mover.calls) == 2, "no round while the move phase lasts"
+    mover.complete()
+    operator.reconcile_once()
+    assert _jp(kube, namespace)["status"]["assignment"][1]["pids"] == "1-3"
 
 
 # --- delete ---

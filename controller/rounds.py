@@ -1,0 +1,147 @@
+"""A policy's rounds over time: collect statistics for an interval, decide, carry out, repeat.
+
+The policies are pure functions of a `Snapshot` (decision 0005); what they carry from round to round (the
+collection interval, the time of the last adaptation, a move phase in progress) lives here, so that the
+local controller (`controller.runner`) and the Kubernetes operator (`controller.operator`) run a policy
+the same way. `tick` never blocks: a caller ticks it from its own loop, and a round whose moves are still
+in flight (Flux's move phase) simply ends when they have completed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from controller.assignment import Assignment, HandoffMode, Move
+from controller.policies import POLICIES, Decision, InstanceStats, PidStats, Policy, Snapshot
+
+FIRST_ROUND_DELAY_S = 5.0
+"""The first round waits at least this long, so that every instance has reported a few batches."""
+MIN_INTERVAL_S = 0.25
+"""Floor of the interval after a move phase for policies without their own minimum (Flux has delta_min)."""
+
+
+class PolicyMover(Protocol):
+    """What a policy round needs from whoever carries out moves."""
+
+    def in_flight(self) -> Sequence[Move]: ...
+
+    def request(self, moves: Sequence[Move]) -> None: ...
+
+    def snapshot(self, interval_s: float, now_s: float, last_adaptation_s: float | None) -> Snapshot | None:
+        """Statistics of the last `interval_s` seconds, or None while there is no assignment yet."""
+        ...
+
+
+def policy_params(name: str, mode: HandoffMode, **overrides: Any) -> Any:
+    """The policy's default parameters with `overrides` and the handoff mode its moves should use."""
+    params = POLICIES[name].default_params()
+    if hasattr(params, "mode"):
+        overrides["mode"] = mode
+    return replace(params, **overrides)
+
+
+def snapshot_of(
+    batches: list[dict[str, Any]],
+    live: list[str],
+    assignment: Assignment,
+    in_flight: frozenset[int],
+    now_ms: float,
+    interval_s: float,
+    now_s: float,
+    last_adaptation_s: float | None,
+) -> Snapshot:
+    """Statistics of the last `interval_s` seconds (by batch end time) of the instances' batch records."""
+    since = now_ms - interval_s * 1000
+    busy: dict[str, float] = dict.fromkeys(live, 0.0)
+    state: dict[str, dict[int, int]] = {i: {} for i in live}
+    tuples: dict[int, int] = {}
+    for b in batches:
+        name = b["instance"]
+        if name not in busy:
+            continue
+        for p, s in b["pids"].items():
+            state[name][int(p)] = s["state_bytes"]  # newest record wins
+        if b["time_ms"] < since:
+            continue
+        busy[name] += b["duration_s"]
+        for p, s in b["pids"].items():
+            tuples[int(p)] = tuples.get(int(p), 0) + s["in"]
+    owned = {p: o for p, o in assignment.owners.items() if o in busy}
+    instances = tuple(
+        InstanceStats(
+            instance=i,
+            busy_fraction=min(1.0, busy[i] / interval_s),
+            state_bytes=sum(v for p, v in state[i].items() if owned.get(p) == i),
+        )
+        for i in sorted(live)
+    )
+    pid_state = {p: v for i in live for p, v in state[i].items() if owned.get(p) == i}
+    pids = {
+        p: PidStats(pid=p, tuples=tuples.get(p, 0), state_bytes=pid_state.get(p, 0), results=0)
+        for p in sorted(set(tuples) | set(pid_state))
+        if p in owned
+    }
+    return Snapshot(
+        now_s=now_s,
+        instances=instances,
+        pids=pids,
+        assignment=assignment,
+        moves_in_flight=in_flight,
+        interval_s=interval_s,
+        last_adaptation_s=last_adaptation_s,
+    )
+
+
+@dataclass
+class PolicyRounds:
+    """One policy's round schedule and the state it carries between rounds (times on a monotonic clock)."""
+
+    policy: Policy[Any]
+    params: Any
+    interval_s: float
+    next_round_s: float
+    last_adaptation_s: float | None = None
+    move_phase_since_s: float | None = None
+    """Set while the moves of a round whose next interval is "as long as the move phase" are in flight."""
+
+    @classmethod
+    def begin(cls, name: str, params: Any, now_s: float | None = None) -> PolicyRounds:
+        now = time.monotonic() if now_s is None else now_s
+        interval = float(getattr(params, "delta_s", 2.0))
+        return cls(POLICIES[name], params, interval, now + max(interval, FIRST_ROUND_DELAY_S))
+
+    def tick(self, mover: PolicyMover, now_s: float | None = None, dry_run: bool = False) -> Decision | None:
+        """Run the round that is due, if one is: its decision, whose moves were requested unless `dry_run`.
+
+        None when no round ran (not due yet, a move phase still running, no assignment yet).
+        """
+        now = time.monotonic() if now_s is None else now_s
+        if self.move_phase_since_s is not None:
+            if mover.in_flight():
+                return None
+            floor = float(getattr(self.params, "delta_min_s", MIN_INTERVAL_S))
+            self._next_in(max(now - self.move_phase_since_s, floor), now)
+            self.move_phase_since_s = None
+            return None
+        if now < self.next_round_s:
+            return None
+        snapshot = mover.snapshot(self.interval_s, now, self.last_adaptation_s)
+        if snapshot is None:
+            self._next_in(self.interval_s, now)
+            return None
+        decision = self.policy.decide(snapshot, self.params)
+        if decision.moves and not dry_run:
+            mover.request(decision.moves)
+            self.last_adaptation_s = now
+            if decision.next_interval_s is None:
+                self.move_phase_since_s = now
+                return decision
+        self._next_in(decision.next_interval_s or self.interval_s, now)
+        return decision
+
+    def _next_in(self, interval_s: float, now_s: float) -> None:
+        self.interval_s = interval_s
+        self.next_round_s = now_s + interval_s

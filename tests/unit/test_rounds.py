@@ -1,0 +1,100 @@
+"""Policy rounds over time: when a round runs, what it requests, and how a move phase sets the next one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from controller.assignment import Assignment, HandoffMode, Move
+from controller.policies import InstanceStats, PidStats, Snapshot
+from controller.rounds import FIRST_ROUND_DELAY_S, PolicyRounds, policy_params
+
+ASSIGNMENT = Assignment(epoch=0, owners={0: "a", 1: "a", 2: "b", 3: "b"})
+
+
+@dataclass
+class Mover:
+    """Serves a fixed imbalance: "a" busy with two pids, "b" idle."""
+
+    moving: list[Move] = field(default_factory=list)
+    requested: list[Move] = field(default_factory=list)
+    snapshots: list[tuple[float, float | None]] = field(default_factory=list)
+    assignment: Assignment | None = ASSIGNMENT
+
+    def in_flight(self) -> Sequence[Move]:
+        return self.moving
+
+    def request(self, moves: Sequence[Move]) -> None:
+        self.requested += moves
+        self.moving += moves
+
+    def snapshot(self, interval_s: float, now_s: float, last_adaptation_s: float | None) -> Snapshot | None:
+        self.snapshots.append((interval_s, last_adaptation_s))
+        if self.assignment is None:
+            return None
+        return Snapshot(
+            now_s=now_s,
+            instances=(InstanceStats("a", 1.0, 2000), InstanceStats("b", 0.1, 100)),
+            pids={
+                0: PidStats(pid=0, tuples=900, state_bytes=1000, results=0),
+                1: PidStats(pid=1, tuples=100, state_bytes=1000, results=0),
+                2: PidStats(pid=2, tuples=50, state_bytes=50, results=0),
+                3: PidStats(pid=3, tuples=50, state_bytes=50, results=0),
+            },
+            assignment=self.assignment,
+            moves_in_flight=frozenset(m.pid for m in self.moving),
+            interval_s=interval_s,
+            last_adaptation_s=last_adaptation_s,
+        )
+
+
+def test_the_first_round_waits_for_the_instances_to_report() -> None:
+    rounds = PolicyRounds.begin("flux", policy_params("flux", HandoffMode.REPLAY), now_s=100.0)
+    mover = Mover()
+    assert rounds.tick(mover, now_s=100.0 + FIRST_ROUND_DELAY_S - 0.1) is None
+    assert mover.snapshots == []
+    decision = rounds.tick(mover, now_s=100.0 + FIRST_ROUND_DELAY_S)
+    assert decision is not None and decision.moves
+    assert mover.requested == list(decision.moves)
+    assert {m.mode for m in mover.requested} == {HandoffMode.REPLAY}, "moves use the pipeline's handoff mode"
+
+
+def test_flux_waits_out_the_move_phase_and_makes_it_the_next_interval() -> None:
+    rounds = PolicyRounds.begin("flux", policy_params("flux", HandoffMode.TRANSFER), now_s=0.0)
+    mover = Mover()
+    assert rounds.tick(mover, now_s=10.0) is not None
+    assert rounds.tick(mover, now_s=50.0) is None, "no round while the moves are in flight"
+    assert len(mover.snapshots) == 1
+    mover.moving.clear()
+    assert rounds.tick(mover, now_s=13.0) is None, "the phase ends; the next round collects first"
+    assert rounds.interval_s == 3.0 and rounds.next_round_s == 16.0
+    rounds.tick(mover, now_s=16.0)
+    assert mover.snapshots[-1] == (3.0, 10.0)
+
+
+def test_a_short_move_phase_is_floored_at_delta_min() -> None:
+    params = policy_params("flux", HandoffMode.TRANSFER, delta_min_s=0.5)
+    rounds = PolicyRounds.begin("flux", params, now_s=0.0)
+    mover = Mover()
+    rounds.tick(mover, now_s=10.0)
+    mover.moving.clear()
+    rounds.tick(mover, now_s=10.1)
+    assert rounds.interval_s == 0.5
+
+
+def test_a_dry_run_requests_nothing_and_keeps_its_rhythm() -> None:
+    rounds = PolicyRounds.begin("flux", policy_params("flux", HandoffMode.TRANSFER), now_s=0.0)
+    mover = Mover()
+    decision = rounds.tick(mover, now_s=10.0, dry_run=True)
+    assert decision is not None and decision.moves
+    assert mover.requested == [] and rounds.move_phase_since_s is None
+    assert rounds.next_round_s == 10.0 + rounds.interval_s
+
+
+def test_static_never_moves_and_no_assignment_means_no_round() -> None:
+    rounds = PolicyRounds.begin("static", policy_params("static", HandoffMode.TRANSFER), now_s=0.0)
+    mover = Mover()
+    decision = rounds.tick(mover, now_s=10.0)
+    assert decision is not None and not decision.moves
+    waiting = PolicyRounds.begin("memory", policy_params("memory", HandoffMode.TRANSFER), now_s=0.0)
+    assert waiting.tick(Mover(assignment=None), now_s=10.0) is None
