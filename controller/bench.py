@@ -580,3 +580,123 @@ def run_move_cost_bench(
             summary[str(w)] = measure_move_cost(c, bootstrap, work / f"w{w}", steady_s, say)
     save_report(run_id, "move_cost", summary, say)
     return summary
+
+
+# --- fluxjoin bench convergence: how fast flux rebalances after a load shift, and whether it thrashes ---
+
+BUCKET_S = 5.0
+"""Busy fractions are compared over buckets this long (by batch end time)."""
+
+
+def imbalance_series(records: list[dict[str, Any]], instances: list[str], start_ms: float) -> list[float]:
+    """Per `BUCKET_S` bucket since `start_ms`: busiest over idlest instance's busy fraction (idlest
+    floored at 0.01, so an idle instance reads as a large, finite imbalance; all idle is balanced, 1)."""
+    buckets: dict[int, dict[str, float]] = {}
+    for r in records:
+        if r.get("kind") == "batch" and r["time_ms"] >= start_ms and r["instance"] in instances:
+            b = buckets.setdefault(
+                int((r["time_ms"] - start_ms) / 1000 / BUCKET_S), dict.fromkeys(instances, 0.0)
+            )
+            b[r["instance"]] += r["duration_s"] / BUCKET_S
+    series = []
+    for index in range(max(buckets, default=-1) + 1):
+        busy = buckets.get(index, dict.fromkeys(instances, 0.0))
+        high, low = max(busy.values()), min(busy.values())
+        series.append(round(high / max(0.01, low), 2) if high > 0 else 1.0)
+    return series
+
+
+def convergence_of(
+    move_times: list[float], shift_s: float, end_s: float, quiet_s: float = 20.0
+) -> dict[str, Any]:
+    """From the seconds (since the input started) at which moves started: moves per minute over the run,
+    the rounds after the shift (moves started within 1 s of each other are one round), and seconds from
+    the shift to the last move, if the moves stopped at least `quiet_s` before the end (else None: still
+    moving, i.e. not converged or thrashing)."""
+    after = sorted(t for t in move_times if t >= shift_s)
+    rounds = sum(1 for i, t in enumerate(after) if i == 0 or t - after[i - 1] > 1.0)
+    settled = not after or after[-1] <= end_s - quiet_s
+    return {
+        "moves": len(move_times),
+        "moves_per_min": round(len(move_times) / (end_s / 60), 2),
+        "rounds_after_shift": rounds,
+        "settle_s": (round(after[-1] - shift_s, 1) if after else 0.0) if settled else None,
+    }
+
+
+def measure_convergence(
+    cfg: Config, bootstrap: str, work: Path, delta_min_s: float, shift_s: float, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """One flux run with `delta_min_s`: the input's hot pids change at `shift_s` (and at its multiples)."""
+    from controller.runner import instance_names
+    from pipeline.control import ControlLog
+
+    pipeline = LocalPipeline(cfg, bootstrap, work)
+    follower = MetricsFollower(pipeline.cfg, bootstrap)
+    log = ControlLog(bootstrap, cfg.control_topic)
+    names = instance_names(cfg.instances)
+    records: list[dict[str, Any]] = []
+    move_times: list[float] = []
+    seen: set[str] = set()
+    try:
+        params = {"delta_min_s": delta_min_s, "delta_s": max(1.0, delta_min_s)}
+        pipeline.start_controller(policy="flux", policy_params=params)
+        for name in names:
+            pipeline.start_instance(name)
+        pipeline.wait_running(names)
+        pipeline.start_generator()
+        start = time.time()
+        while pipeline.procs["generator"].poll() is None:
+            records.extend(follower.poll())
+            fresh = log.catch_up().started - seen
+            move_times += [time.time() - start] * len(fresh)
+            seen |= fresh
+            if pipeline.failed():
+                raise RuntimeError(f"a process failed: {pipeline.failed()}")
+            time.sleep(0.5)
+        end_s = time.time() - start
+        records.extend(_drain(follower))
+    finally:
+        log.close()
+        follower.close()
+        pipeline.stop()
+    series = imbalance_series(records, names, start * 1000)
+    before = series[max(0, int((shift_s - 20) / BUCKET_S)) : int(shift_s / BUCKET_S)]
+    last = series[-int(20 / BUCKET_S) - 1 : -1]  # the final bucket is partial
+    point = {
+        **convergence_of(move_times, shift_s, end_s),
+        "imbalance_before_shift": statistics.median(before) if before else None,
+        "imbalance_at_end": statistics.median(last) if last else None,
+        "imbalance_series": series,
+        "move_times_s": [round(t, 1) for t in move_times],
+    }
+    say(
+        f"convergence: delta_min {delta_min_s:g} s: { {k: v for k, v in point.items() if 'series' not in k} }"
+    )
+    return point
+
+
+def run_convergence_bench(
+    cfg: Config,
+    delta_mins: list[float],
+    rate: float = 4000,
+    shift_s: float = 60,
+    instances: int = 4,
+    cpu: float = 0.45,
+    say: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Flux after a load shift, once per delta_min (the Flux paper's Fig. 9 sweep), in one run."""
+    from controller.kafka_runtime import broker_unless
+
+    run_id, work = new_run(cfg, "convergence")
+    summary: dict[str, Any] = {}
+    with broker_unless(cfg.bootstrap) as bootstrap:
+        for delta_min in delta_mins:
+            name = f"{run_id}-d{delta_min:g}".replace(".", "p")
+            c = skew_config(cfg, name, rate, 2 * shift_s, instances, cpu)
+            c = c.with_overrides(**{"generator.keys.move_every_s": shift_s})
+            summary[f"{delta_min:g}"] = measure_convergence(
+                c, bootstrap, work / name, delta_min, shift_s, say
+            )
+    save_report(run_id, "convergence", summary, say)
+    return summary

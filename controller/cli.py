@@ -197,17 +197,27 @@ def controller(
     mode: ModeOpt = "transfer",
     heartbeat_timeout: Annotated[float, typer.Option(help="Seconds without a heartbeat = dead.")] = 10.0,
     dry_run: Annotated[bool, typer.Option(help="Print decisions, move nothing.")] = False,
+    policy_param: Annotated[
+        list[str] | None,
+        typer.Option(help="A policy parameter, e.g. delta_min_s=1.0 or th_imb=1.5 (repeatable)."),
+    ] = None,
 ) -> None:
     """Run the controller: policy rounds, pid moves, recovery of dead instances."""
     from controller.policies import POLICIES
+    from controller.rounds import policy_params
     from controller.runner import run_controller
 
     cfg = _config(config, set_, bootstrap)
     if policy not in POLICIES:
         fail(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    try:
+        settings = {k: float(v) for k, v in (item.split("=", 1) for item in policy_param or [])}
+        params = policy_params(policy, _mode(mode), **settings)
+    except (ValueError, TypeError) as exc:
+        fail(f"--policy-param: {exc}")
     stopping = _stop_on_signals()
     try:
-        run_controller(cfg, _bootstrap(cfg), policy, _mode(mode), heartbeat_timeout, dry_run, stopping.is_set)
+        run_controller(cfg, _bootstrap(cfg), policy, params, heartbeat_timeout, dry_run, stopping.is_set)
     except _user_errors() as exc:
         fail(str(exc))
 
@@ -430,6 +440,38 @@ def bench_move_cost(
     except _user_errors() as exc:
         fail(str(exc))
     print(json.dumps(summary) if json_ else json.dumps(summary, indent=2))
+
+
+@bench_app.command("convergence")
+def bench_convergence(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bootstrap: BootstrapOpt = None,
+    json_: JsonOpt = False,
+    delta_min: Annotated[str, typer.Option(help="Flux delta_min values to sweep, seconds.")] = "0.25,1,4",
+    rate: Annotated[float, typer.Option(help="Input tuples/s in total.")] = 4000,
+    shift: Annotated[float, typer.Option(help="Seconds until the hot pids change (run = twice this).")] = 60,
+    instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
+    cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.45,
+) -> None:
+    """Flux after a load shift: rounds and seconds until it stops moving, moves per minute, imbalance."""
+    from controller.bench import run_convergence_bench
+    from controller.cpu_budget import CpuBudgetError
+
+    cfg = _config(config, set_, bootstrap)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
+    try:
+        wanted = [float(d) for d in delta_min.split(",")]
+    except ValueError as exc:
+        fail(f"--delta-min: {exc}")
+    errors: tuple[type[Exception], ...] = (CpuBudgetError, *_user_errors())
+    try:
+        summary = run_convergence_bench(cfg, wanted, rate, shift, instances, cpu, say)
+    except errors as exc:
+        fail(str(exc))
+    series = ("imbalance_series", "move_times_s")
+    compact = {d: {k: v for k, v in p.items() if k not in series} for d, p in summary.items()}
+    print(json.dumps(compact) if json_ else json.dumps(summary, indent=2))
 
 
 @bench_app.command("soak")

@@ -74,9 +74,15 @@ class LocalPipeline:
         self._spawn("generator", ["generate"])
 
     def start_controller(
-        self, policy: str = "flux", mode: str = "transfer", heartbeat_timeout_s: float = 10
+        self,
+        policy: str = "flux",
+        mode: str = "transfer",
+        heartbeat_timeout_s: float = 10,
+        policy_params: dict[str, float] | None = None,
     ) -> None:
         args = ["--policy", policy, "--mode", mode, "--heartbeat-timeout", str(heartbeat_timeout_s)]
+        for key, value in (policy_params or {}).items():
+            args += ["--policy-param", f"{key}={value}"]
         self._spawn("controller", ["controller", *args])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

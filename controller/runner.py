@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
-from controller.assignment import HandoffMode, initial_assignment
+from controller.assignment import initial_assignment
 from controller.moves import KafkaPidMover
-from controller.rounds import PolicyRounds, policy_params
+from controller.rounds import PolicyRounds
 from pipeline.config import Config
 
 TICK_S = 0.25
@@ -29,23 +30,24 @@ def run_controller(
     cfg: Config,
     bootstrap: str,
     policy_name: str,
-    mode: HandoffMode,
+    params: Any,
     heartbeat_timeout_s: float,
     dry_run: bool = False,
     stop: Callable[[], bool] = lambda: False,
     say: Callable[[str], None] = print,
 ) -> None:
-    """Run until `stop()`; publishes epoch 0 over `cfg.instances` instances if the log has none."""
+    """Run until `stop()`; publishes epoch 0 over `cfg.instances` instances if the log has none.
+
+    `params` are the policy's (`controller.rounds.policy_params`), handoff mode included.
+    """
     from pipeline.topics import ensure_topics
 
     ensure_topics(cfg, bootstrap)
     mover = KafkaPidMover(cfg, bootstrap, heartbeat_timeout_s, say=say)
     mover.start(initial_assignment(cfg.partitions, instance_names(cfg.instances)))
-    rounds = PolicyRounds.begin(policy_name, policy_params(policy_name, mode))
+    rounds = PolicyRounds.begin(policy_name, params)
     last_reason = ""
-    say(
-        f"controller: policy {policy_name}, handoff {mode.value}, heartbeat timeout {heartbeat_timeout_s:g} s"
-    )
+    say(f"controller: policy {policy_name} {params}, heartbeat timeout {heartbeat_timeout_s:g} s")
     try:
         while not stop():
             mover.step()
