@@ -363,6 +363,32 @@ def skew_config(
     )
 
 
+def wait_warm(
+    pipeline: LocalPipeline,
+    follower: MetricsFollower,
+    names: list[str],
+    records: list[dict[str, Any]],
+    timeout_s: float = 600,
+) -> None:
+    """Block until every instance has finished a micro-batch, keeping the records read meanwhile.
+
+    The first batch pays for Spark's warm-up (code generation, Python workers, the state store), which
+    under a CPU budget of half a core takes half a minute; input sent before that is a backlog that
+    says nothing about the policy.
+    """
+    pending = set(names)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for r in follower.poll():
+            records.append(r)
+            if r.get("kind") == "batch":
+                pending.discard(r["instance"])
+        if pipeline.failed():
+            raise RuntimeError(f"a process failed: {pipeline.failed()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{', '.join(sorted(pending))} finished no micro-batch in {timeout_s:.0f} s")
+
+
 def measure_skew_point(
     cfg: Config, bootstrap: str, work: Path, policy: str, say: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -379,6 +405,7 @@ def measure_skew_point(
         for name in names:
             pipeline.start_instance(name)
         pipeline.wait_running(names)
+        wait_warm(pipeline, follower, names, records)
         pipeline.start_generator()
         started_ms = time.time() * 1000
         while pipeline.procs["generator"].poll() is None:
@@ -644,6 +671,7 @@ def measure_convergence(
         for name in names:
             pipeline.start_instance(name)
         pipeline.wait_running(names)
+        wait_warm(pipeline, follower, names, records)
         pipeline.start_generator()
         start = time.time()
         while pipeline.procs["generator"].poll() is None:
