@@ -45,6 +45,10 @@ def instance_dir(cfg: Config, name: str) -> Path:
     return Path(cfg.instance.work_dir) / cfg.pipeline / name
 
 
+THREAD_STACK = "64m"
+"""JVM thread stack size (reserved address space; only the pages used are committed)."""
+
+
 def spark_session(cfg: Config, app_name: str, extra_conf: dict[str, str] | None = None) -> Any:
     """A local Spark session tuned for one instance: small shuffles, Arrow, no UI."""
     from pyspark.sql import SparkSession
@@ -58,6 +62,10 @@ def spark_session(cfg: Config, app_name: str, extra_conf: dict[str, str] | None 
         builder.master(cfg.instance.spark_master)
         .appName(app_name)
         .config("spark.driver.memory", cfg.instance.driver_memory)
+        # Stopping the query interrupts the batch in foreachBatch; Spark recognises the interruption by
+        # matching the Python traceback with a regex that recurses once per character, which overflows
+        # the default 1 MB thread stack and turns a clean stop into a StackOverflowError.
+        .config("spark.driver.extraJavaOptions", f"-Xss{THREAD_STACK}")
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", str(cfg.instance.shuffle_partitions))
         .config("spark.sql.execution.arrow.maxRecordsPerBatch", "100000")
