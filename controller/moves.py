@@ -171,6 +171,8 @@ class Observer:
     ) -> None:
         from confluent_kafka import Consumer, TopicPartition
 
+        from pipeline.topics import admin_client, partition_offsets
+
         self.clock = clock
         self.timeout_s = heartbeat_timeout_s
         self.started = clock()
@@ -186,9 +188,11 @@ class Observer:
                 "isolation.level": "read_uncommitted",
             }
         )
-        since = int(time.time() * 1000) - 60_000
-        start = self._consumer.offsets_for_times([TopicPartition(cfg.metrics_topic, 0, since)], 30)
-        self._consumer.assign([TopicPartition(cfg.metrics_topic, 0, max(0, start[0].offset))])
+        admin, metrics = admin_client(bootstrap), [(cfg.metrics_topic, 0)]
+        start = partition_offsets(admin, metrics, at_ms=int(time.time() * 1000) - 60_000)[metrics[0]]
+        if start < 0:  # nothing in the last minute
+            start = partition_offsets(admin, metrics)[metrics[0]]
+        self._consumer.assign([TopicPartition(cfg.metrics_topic, 0, start)])
 
     def poll(self) -> None:
         now_ms = time.time() * 1000
@@ -217,7 +221,11 @@ class Observer:
 
 
 class KafkaPidMover:
-    """The controller's hands: publishes assignments, requests moves, recovers dead instances."""
+    """The controller's hands: publishes assignments, requests moves, recovers dead instances.
+
+    Creates the pipeline's topics if they are missing (the controller or operator of a new pipeline
+    starts before its instances), and fails clearly if existing ones have the wrong partition count.
+    """
 
     def __init__(
         self,
@@ -229,6 +237,9 @@ class KafkaPidMover:
     ) -> None:
         from confluent_kafka import Producer
 
+        from pipeline.topics import ensure_topics
+
+        ensure_topics(cfg, bootstrap)
         self.cfg, self.bootstrap, self.say = cfg, bootstrap, say
         self.log = ControlLog(bootstrap, cfg.control_topic)
         self.observer = Observer(cfg, bootstrap, heartbeat_timeout_s, clock)

@@ -40,9 +40,6 @@ def run_controller(
 
     `params` are the policy's (`controller.rounds.policy_params`), handoff mode included.
     """
-    from pipeline.topics import ensure_topics
-
-    ensure_topics(cfg, bootstrap)
     mover = KafkaPidMover(cfg, bootstrap, heartbeat_timeout_s, say=say)
     mover.start(initial_assignment(cfg.partitions, instance_names(cfg.instances)))
     rounds = PolicyRounds.begin(policy_name, params)

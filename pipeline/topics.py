@@ -211,12 +211,20 @@ def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float =
 
 
 def partition_offsets(
-    admin: AdminClient, partitions: Iterable[tuple[str, int]], latest: bool = True, timeout_s: float = 30.0
+    admin: AdminClient,
+    partitions: Iterable[tuple[str, int]],
+    latest: bool = True,
+    timeout_s: float = 30.0,
+    at_ms: int | None = None,
 ) -> dict[tuple[str, int], int]:
-    """(topic, partition) -> end offset (or log start offset), retrying while new topics elect leaders."""
+    """(topic, partition) -> end offset (or log start offset, or with `at_ms` the first offset whose
+    timestamp is at or after it, -1 if none is), retrying while new topics elect leaders."""
     from confluent_kafka.admin import OffsetSpec
 
-    spec = OffsetSpec.latest() if latest else OffsetSpec.earliest()
+    if at_ms is not None:
+        spec = OffsetSpec.for_timestamp(at_ms)
+    else:
+        spec = OffsetSpec.latest() if latest else OffsetSpec.earliest()
     request = {TopicPartition(t, p): spec for t, p in partitions}
     if not request:
         return {}

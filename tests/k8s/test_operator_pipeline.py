@@ -108,7 +108,6 @@ def test_kubectl_scale_moves_pids_between_live_instances_and_the_output_stays_ex
             "generator.tuples_per_message": 32,
         }
     )
-    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
     movers: list[PidMover] = []
 
     def production_mover(spec: PipelineSpec) -> PidMover:
@@ -116,6 +115,9 @@ def test_kubectl_scale_moves_pids_between_live_instances_and_the_output_stays_ex
         return movers[-1]
 
     operator = Operator(kube.api_client, namespace, production_mover, SETTINGS)
+    operator.reconcile_once()  # a new pipeline: the operator creates its topics and publishes epoch 0
+    assert _status(kube, namespace).get("epoch") == 0, _status(kube, namespace)
+    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
     kubelet = Kubelet(kube, namespace, pipeline)
 
     def owns(name: str) -> bool:
@@ -136,7 +138,7 @@ def test_kubectl_scale_moves_pids_between_live_instances_and_the_output_stays_ex
             time.sleep(1.0)
 
     try:
-        until(lambda s: s.get("epoch") == 0, 30, "epoch 0")
+        until(lambda s: s.get("epoch") == 0, 30, "the first instances")
         pipeline.wait_running([f"{NAME}-0", f"{NAME}-1"])
         pipeline.start_generator()
         until(_settled_on(2), 120, "two instances running")
