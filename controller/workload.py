@@ -103,7 +103,7 @@ class PipelineSpec:
             instance=InstanceConfig(
                 trigger_ms=int(instance.get("triggerMs", 500)),
                 max_rows_per_batch=int(instance.get("maxRowsPerBatch", 200_000)),
-                shuffle_partitions=int(instance.get("shufflePartitions", 4)),
+                shuffle_partitions=int(instance.get("shufflePartitions", 2)),
                 spark_master=instance.get("sparkMaster", "local[2]"),
                 driver_memory=instance.get("driverMemory", "1g"),
                 work_dir=WORK_DIR,

@@ -27,15 +27,18 @@ class ControlLog:
         from confluent_kafka import Consumer, TopicPartition
 
         self._tp = TopicPartition(topic, 0, 0)
-        self._consumer = Consumer(
-            {
-                "bootstrap.servers": bootstrap,
-                "group.id": "fluxjoin-unused",
-                "enable.auto.commit": False,
-                "isolation.level": "read_committed",
-            }
-        )
+        conf = {
+            "bootstrap.servers": bootstrap,
+            "group.id": "fluxjoin-unused",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        }
+        self._consumer = Consumer(conf)
         self._consumer.assign([self._tp])
+        # The end offset is asked on a connection of its own: the reader's connection always has a fetch
+        # waiting at the broker (up to fetch.wait.max.ms, 500 ms) and the broker answers a connection's
+        # requests in order, so asking there made every catch-up wait for that fetch.
+        self._ends = Consumer(conf)
         self._next = 0
         self.view = ControlView()
         self._lock = threading.Lock()
@@ -45,7 +48,7 @@ class ControlLog:
         from confluent_kafka import TopicPartition
 
         with self._lock:
-            _, high = watermark_offsets(self._consumer, TopicPartition(self._tp.topic, 0), timeout_s)
+            _, high = watermark_offsets(self._ends, TopicPartition(self._tp.topic, 0), timeout_s)
             deadline = time.monotonic() + timeout_s
             while self._next < high:
                 if time.monotonic() > deadline:
@@ -65,6 +68,7 @@ class ControlLog:
 
     def close(self) -> None:
         self._consumer.close()
+        self._ends.close()
 
 
 def publish(producer: Any, topic: str, msg: Message) -> None:

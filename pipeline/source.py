@@ -475,29 +475,51 @@ def _rows(pid: int, stream: Any, ids: Any, keys: Any, ts: Any) -> pa.RecordBatch
     )
 
 
+# One consumer per Python worker process and cluster, kept between batches: Spark reuses its Python
+# workers, and a new consumer costs a connection, a metadata round trip and a fetch session per task.
+_CONSUMERS: dict[str, Any] = {}
+
+
+def _range_consumer(bootstrap: str) -> Any:
+    from confluent_kafka import Consumer
+
+    consumer = _CONSUMERS.get(bootstrap)
+    if consumer is None:
+        consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": "fluxjoin-unused",  # offsets are never committed to Kafka; Spark owns them
+                "enable.auto.commit": False,
+                "enable.partition.eof": True,
+                "isolation.level": "read_committed",
+                "fetch.max.bytes": 64 * 1024 * 1024,
+                "max.partition.fetch.bytes": 16 * 1024 * 1024,
+            }
+        )
+        _CONSUMERS[bootstrap] = consumer
+    return consumer
+
+
+def _drop_consumer(bootstrap: str) -> None:
+    consumer = _CONSUMERS.pop(bootstrap, None)
+    if consumer is not None:
+        consumer.close()
+
+
 def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> Iterator[pa.RecordBatch]:
     """Read every range [start, end) exactly (all at once), decode in bulk, yield one batch per range."""
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import KafkaError, TopicPartition
 
     from pipeline.codec import Malformation, MalformedRecord, decode_tuple_columns
     from pipeline.partitioning import pids_of
 
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": "fluxjoin-unused",  # offsets are never committed to Kafka; Spark owns them
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-            "isolation.level": "read_committed",
-            "fetch.max.bytes": 64 * 1024 * 1024,
-            "max.partition.fetch.bytes": 16 * 1024 * 1024,
-        }
-    )
     by_tp = {(r.topic, r.pid): r for r in ranges}
     next_offset = {tp: r.start for tp, r in by_tp.items()}
     cols: dict[tuple[str, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {tp: [] for tp in by_tp}
     bad: dict[tuple[str, int], list[tuple[int, int]]] = {tp: [] for tp in by_tp}
     pending = {tp for tp, r in by_tp.items() if r.end > r.start}
+    consumer = _range_consumer(bootstrap)
+    clean = False
     try:
         consumer.assign([TopicPartition(t, p, by_tp[(t, p)].start) for t, p in pending])
         deadline = time.monotonic() + _READ_TIMEOUT_S
@@ -521,6 +543,8 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                 if tp not in pending or off >= r.end:
                     pending.discard(tp)
                     continue
+                if off < next_offset[tp]:
+                    continue  # never twice, whatever a reused consumer may still deliver
                 next_offset[tp] = off + 1
                 if off + 1 >= r.end:
                     pending.discard(tp)
@@ -532,8 +556,11 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                 except MalformedRecord as exc:
                     if not r.window:  # re-read for a window: reported when first read
                         bad[tp].append((off, int(exc.reason)))
+        consumer.unassign()  # drops whatever was fetched beyond the ranges
+        clean = True
     finally:
-        consumer.close()
+        if not clean:
+            _drop_consumer(bootstrap)
     for tp, r in by_tp.items():
         if cols[tp] or bad[tp]:
             yield _to_arrow(r, cols[tp], bad[tp])
