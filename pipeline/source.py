@@ -335,9 +335,10 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return {"epoch": owned.epoch, "offsets": cut, "next_pid": next_pid}
 
     def _tuples_per_message(self, start: Offsets, latest: Offsets, samples: int = 4) -> float:
-        """Tuples per message, from the newest message of the partitions with the largest backlogs:
-        real-time producing packs a few tuples per message, catching up hundreds. Sampled again every
-        SAMPLE_EVERY_S seconds, not every batch (each sample is a fetch)."""
+        """Tuples per message, from the middle message of the backlogs of the partitions with the largest
+        ones: real-time producing packs a few tuples per message, a pre-loaded topic hundreds (and its
+        newest message may be a partial one of a few tuples, which would make the cap far too large).
+        Sampled again every SAMPLE_EVERY_S seconds, not every batch (each sample is a fetch)."""
         now = time.monotonic()
         if self._per_message is None or now - self._sampled_at > SAMPLE_EVERY_S:
             self._per_message = self._sample_tuples_per_message(start, latest, samples)
@@ -363,7 +364,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             self._consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "fluxjoin-unused"})
         counts = []
         for _, s, p in largest:
-            self._consumer.assign([TopicPartition(topic_of[s], int(p), latest[s][p] - 1)])
+            middle = (start[s][p] + latest[s][p]) // 2
+            self._consumer.assign([TopicPartition(topic_of[s], int(p), middle)])
             for msg in self._consumer.consume(num_messages=1, timeout=5):
                 value = msg.value() if msg.error() is None else None
                 if value is not None:
