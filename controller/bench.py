@@ -693,8 +693,8 @@ def measure_convergence(
     last = series[-int(20 / BUCKET_S) - 1 : -1]  # the final bucket is partial
     point = {
         **convergence_of(move_times, shift_s, end_s),
-        "imbalance_before_shift": statistics.median(before) if before else None,
-        "imbalance_at_end": statistics.median(last) if last else None,
+        "imbalance_before_shift": round(statistics.median(before), 2) if before else None,
+        "imbalance_at_end": round(statistics.median(last), 2) if last else None,
         "imbalance_series": series,
         "move_times_s": [round(t, 1) for t in move_times],
     }
