@@ -82,11 +82,11 @@ def kafka_start(port: Annotated[int, typer.Option(help="Client port.")] = 9092) 
 
 
 @kafka_app.command("stop")
-def kafka_stop() -> None:
+def kafka_stop(port: Annotated[int, typer.Option(help="Client port of the broker to stop.")] = 9092) -> None:
     """Stop the embedded broker (its data stays until the next `start --fresh`)."""
     from controller import kafka_runtime
 
-    kafka_runtime.stop()
+    kafka_runtime.stop(port=port)
 
 
 @kafka_app.command("status")
