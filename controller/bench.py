@@ -389,24 +389,36 @@ def wait_warm(
             raise TimeoutError(f"{', '.join(sorted(pending))} finished no micro-batch in {timeout_s:.0f} s")
 
 
+def start_warm(
+    pipeline: LocalPipeline,
+    follower: MetricsFollower,
+    records: list[dict[str, Any]],
+    policy: str,
+    policy_params: dict[str, float] | None = None,
+) -> None:
+    """Start the controller and the instances, wait until all are warm, then start the input."""
+    from controller.runner import instance_names
+
+    pipeline.start_controller(policy=policy, policy_params=policy_params)
+    names = instance_names(pipeline.cfg.instances)
+    for name in names:
+        pipeline.start_instance(name)
+    pipeline.wait_running(names)
+    wait_warm(pipeline, follower, names, records)
+    pipeline.start_generator()
+
+
 def measure_skew_point(
     cfg: Config, bootstrap: str, work: Path, policy: str, say: Callable[[str], None]
 ) -> dict[str, Any]:
     """One rate under one policy: sustainable when the backlog left at the end of the input drains
     within 10 s; latency percentiles over results after the first 20 s."""
-    from controller.runner import instance_names
 
     pipeline = LocalPipeline(cfg, bootstrap, work)
     follower = MetricsFollower(pipeline.cfg, bootstrap)
     records: list[dict[str, Any]] = []
     try:
-        pipeline.start_controller(policy=policy)
-        names = instance_names(cfg.instances)
-        for name in names:
-            pipeline.start_instance(name)
-        pipeline.wait_running(names)
-        wait_warm(pipeline, follower, names, records)
-        pipeline.start_generator()
+        start_warm(pipeline, follower, records, policy)
         started_ms = time.time() * 1000
         while pipeline.procs["generator"].poll() is None:
             records.extend(follower.poll())
@@ -667,12 +679,7 @@ def measure_convergence(
     seen: set[str] = set()
     try:
         params = {"delta_min_s": delta_min_s, "delta_s": max(1.0, delta_min_s)}
-        pipeline.start_controller(policy="flux", policy_params=params)
-        for name in names:
-            pipeline.start_instance(name)
-        pipeline.wait_running(names)
-        wait_warm(pipeline, follower, names, records)
-        pipeline.start_generator()
+        start_warm(pipeline, follower, records, "flux", params)
         start = time.time()
         while pipeline.procs["generator"].poll() is None:
             records.extend(follower.poll())

@@ -12,8 +12,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, NoReturn, TypeVar
 
 import typer
 
@@ -43,9 +44,10 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that are the user's to fix: printed as one line, no traceback."""
+    from controller.cpu_budget import CpuBudgetError
     from pipeline.topics import BrokerUnreachable, TopicError
 
-    return (ConfigError, BrokerUnreachable, TopicError)
+    return (ConfigError, BrokerUnreachable, TopicError, CpuBudgetError)
 
 
 def _config(config: Path | None, sets: list[str] | None, bootstrap: str | None) -> Config:
@@ -351,6 +353,22 @@ def operator_command(
         fail(str(exc))
 
 
+def _progress(json_: bool) -> Callable[[str], None]:
+    """Where a command's progress lines go: stderr when stdout carries the JSON summary."""
+    return (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
+
+
+NumberT = TypeVar("NumberT", int, float)
+
+
+def _numbers(text: str, option: str, kind: Callable[[str], NumberT]) -> list[NumberT]:
+    """A comma-separated option value as numbers, or a clear error naming the option."""
+    try:
+        return [kind(item) for item in text.split(",")]
+    except ValueError as exc:
+        fail(f"{option}: {exc}")
+
+
 @bench_app.command("throughput")
 def bench_throughput(
     config: ConfigOpt = None,
@@ -366,7 +384,7 @@ def bench_throughput(
     from controller.bench import run_throughput_bench
 
     cfg = _config(config, set_, bootstrap)
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
+    say = _progress(json_)
     try:
         summary = run_throughput_bench(cfg, tuples, repeats, latency_rate, latency_seconds, say=say)
     except _user_errors() as exc:
@@ -400,18 +418,13 @@ def bench_skew(
 ) -> None:
     """Sustainable input rate and latency of the static and flux policies under moving skew."""
     from controller.bench import run_skew_bench
-    from controller.cpu_budget import CpuBudgetError
 
     cfg = _config(config, set_, bootstrap)
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
-    try:
-        wanted = [float(r) for r in rates.split(",")]
-    except ValueError as exc:
-        fail(f"--rates: {exc}")
-    errors: tuple[type[Exception], ...] = (CpuBudgetError, *_user_errors())
+    say = _progress(json_)
+    wanted = _numbers(rates, "--rates", float)
     try:
         summary = run_skew_bench(cfg, wanted, seconds, instances, cpu, say)
-    except errors as exc:
+    except _user_errors() as exc:
         fail(str(exc))
     compact = {p: {k: v for k, v in s.items() if k != "points"} for p, s in summary.items()}
     print(json.dumps(compact) if json_ else json.dumps(summary, indent=2))
@@ -430,11 +443,8 @@ def bench_move_cost(
     from controller.bench import run_move_cost_bench
 
     cfg = _config(config, set_, bootstrap)
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
-    try:
-        wanted = [int(w) for w in windows.split(",")]
-    except ValueError as exc:
-        fail(f"--windows: {exc}")
+    say = _progress(json_)
+    wanted = _numbers(windows, "--windows", int)
     try:
         summary = run_move_cost_bench(cfg, wanted, rate, say=say)
     except _user_errors() as exc:
@@ -456,18 +466,13 @@ def bench_convergence(
 ) -> None:
     """Flux after a load shift: rounds and seconds until it stops moving, moves per minute, imbalance."""
     from controller.bench import run_convergence_bench
-    from controller.cpu_budget import CpuBudgetError
 
     cfg = _config(config, set_, bootstrap)
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
-    try:
-        wanted = [float(d) for d in delta_min.split(",")]
-    except ValueError as exc:
-        fail(f"--delta-min: {exc}")
-    errors: tuple[type[Exception], ...] = (CpuBudgetError, *_user_errors())
+    say = _progress(json_)
+    wanted = _numbers(delta_min, "--delta-min", float)
     try:
         summary = run_convergence_bench(cfg, wanted, rate, shift, instances, cpu, say)
-    except errors as exc:
+    except _user_errors() as exc:
         fail(str(exc))
     series = ("imbalance_series", "move_times_s")
     compact = {d: {k: v for k, v in p.items() if k not in series} for d, p in summary.items()}
@@ -489,7 +494,7 @@ def bench_soak(
     from controller.soak import SoakPlan, run_soak, soak_config
 
     cfg = _config(config, set_, bootstrap)
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if json_ else print
+    say = _progress(json_)
     name, work = new_run(cfg, "soak")
     soak_cfg = soak_config(cfg, name, seconds=max(120.0, 5.0 * moves))
     try:

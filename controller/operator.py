@@ -495,11 +495,11 @@ class Operator:
     def _policy_round(self, obj: dict[str, Any], spec: PipelineSpec, mover: PidMover) -> str | None:
         """Run the pipeline's policy if a round is due (only while no scaling step is under way):
         what it moved, None when it moved nothing. A changed policy or setting starts over."""
-        key, params = (spec.uid, spec.bootstrap_servers), spec.policy_params()
+        key, params, now = (spec.uid, spec.bootstrap_servers), spec.policy_params(), self._clock()
         rounds = self._rounds.get(key)
         if rounds is None or rounds.policy.name != spec.policy or rounds.params != params:
-            rounds = self._rounds[key] = PolicyRounds.begin(spec.policy, params, self._clock())
-        decision = rounds.tick(mover, self._clock())
+            rounds = self._rounds[key] = PolicyRounds.begin(spec.policy, params, now)
+        decision = rounds.tick(mover, now)
         if decision is None or not decision.moves:
             return None
         reason = f"policy {spec.policy}: {decision.reason}"
