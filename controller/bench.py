@@ -568,7 +568,7 @@ def measure_move_cost(
         steady_start = time.time() * 1000
         collect_for(steady_s)
         out["steady_p99_s"] = _p99(records, steady_start, time.time() * 1000)
-        for pid, mode in ((0, Mode.TRANSFER), (1, Mode.REPLAY)):
+        for pid, mode in ((0, Mode.TRANSFER), (1, Mode.REPLAY), (3, Mode.PARALLEL_TRACK)):
             started = time.time() * 1000
             move_id = request_moves(cfg, bootstrap, [pid], names[1], mode).move_id(pid)
             wait_for(partial(_acquired, log, move_id), 120, f"the {mode.value} move")
@@ -614,7 +614,7 @@ def run_move_cost_bench(
     summary: dict[str, Any] = {}
     with broker_unless(cfg.bootstrap) as bootstrap:
         for w in windows_ms:
-            seconds = w / 1000 + 15 + 4 * steady_s + 60
+            seconds = w / 1000 + 15 + 5 * steady_s + 60
             c = move_cost_config(cfg, f"{run_id}-w{w}", w, rate, seconds)
             summary[str(w)] = measure_move_cost(c, bootstrap, work / f"w{w}", steady_s, say)
     save_report(run_id, "move_cost", summary, say)

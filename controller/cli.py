@@ -180,7 +180,7 @@ def demo(
     raise typer.Exit(0 if summary.get("exact") else 1)
 
 
-ModeOpt = Annotated[str, typer.Option("--mode", help="Handoff mode: transfer or replay.")]
+ModeOpt = Annotated[str, typer.Option("--mode", help="Handoff mode: transfer, replay or parallel-track.")]
 
 
 def _mode(value: str) -> HandoffMode:
@@ -488,7 +488,7 @@ def bench_soak(
     moves: Annotated[int, typer.Option(help="Random moves to make.")] = 100,
     seed: Annotated[int, typer.Option(help="Seed of the random choices.")] = 7,
 ) -> None:
-    """Random moves (both modes) and kill -9s of the controller and of instances, then the oracle."""
+    """Random moves (all three modes) and kill -9s of the controller and of instances, then the oracle."""
     from controller import kafka_runtime
     from controller.bench import new_run
     from controller.soak import SoakPlan, run_soak, soak_config

@@ -8,8 +8,10 @@ publishes nothing new. `KafkaPidMover` wraps it with the Kafka reads and writes.
 
 Per move: (1) the pid goes in transit (no owner, `moving`), (2) once the source's `Released` is in the
 log it goes to the target with a `Handoff` (cutoff, snapshot), (3) once the target's `Acquired` is in the
-log the handoff is dropped. Dead instances (no heartbeat for the timeout) lose their pids to live ones by
-`replay` from their last committed offsets, and are listed as evicted until they return empty.
+log the handoff is dropped. A `parallel_track` move also lists the pid in `tracks` from step (2) until
+the source's `TrackDone` (its old tuples expired); no other move of the pid starts meanwhile. Dead
+instances (no heartbeat for the timeout) lose their pids to live ones by `replay` from their last
+committed offsets, and are listed as evicted until they return empty.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.assignment import Assignment, Move
@@ -67,6 +69,8 @@ def plan_step(
     owners = dict(a.owners)
     moving = dict(a.moving)
     handoffs = dict(a.handoffs)
+    tracks = dict(a.tracks)
+    track_handoffs = dict(a.track_handoffs)
     evicted = list(a.evicted)
     said: list[str] = []
 
@@ -74,15 +78,36 @@ def plan_step(
         if h.move_id in view.acquired:
             del handoffs[p]
             said.append(f"move {h.move_id}: pid {p} now processed by {owners.get(p)}")
+    for p, h in list(track_handoffs.items()):
+        if h.move_id in view.acquired:
+            del track_handoffs[p]
     for p, m in list(moving.items()):
         released = view.released.get(m.move_id)
         if released is not None:
             del moving[p]
             owners[p] = m.target
             handoffs[p] = Handoff(
-                move_id=m.move_id, mode=m.mode, cutoff=released.cutoff, snapshot=released.snapshot
+                move_id=m.move_id,
+                mode=m.mode,
+                cutoff=released.cutoff,
+                snapshot=released.snapshot,
+                watermark=released.watermark,
             )
-            said.append(f"move {m.move_id}: pid {p} released by {m.source}, handed to {m.target}")
+            if m.mode is Mode.PARALLEL_TRACK:
+                tracks[p] = m
+                said.append(f"move {m.move_id}: pid {p} runs on {m.source} (old tuples) and {m.target}")
+            else:
+                said.append(f"move {m.move_id}: pid {p} released by {m.source}, handed to {m.target}")
+    for p, m in list(tracks.items()):
+        old_done, new_done = (f"{m.move_id}/{side}" in view.track_done for side in ("old", "new"))
+        if old_done and new_done:
+            del tracks[p]
+            track_handoffs.pop(p, None)
+            said.append(f"move {m.move_id}: pid {p}'s parallel track is over")
+        elif old_done and m.source:
+            tracks[p] = replace(m, source="")
+            track_handoffs.pop(p, None)
+            said.append(f"move {m.move_id}: pid {p}'s old tuples expired on {m.source}, which lets it go")
 
     # Instances that return after eviction (a new incarnation) are members again, with no pids.
     for entry in list(evicted):
@@ -97,37 +122,58 @@ def plan_step(
     if dead:
         survivors = sorted(i for i in liveness.live if i not in dead and not _is_evicted(i, evicted))
         if not survivors:
-            return _publish(a, owners, moving, handoffs, evicted, said)
+            return _publish(a, owners, moving, handoffs, tracks, track_handoffs, evicted, said)
         load = {i: sum(1 for o in owners.values() if o == i) for i in survivors}
 
         def least_loaded(avoid: str = "") -> str:
-            target = min(survivors, key=lambda i: (i == avoid, load[i], i))
+            target = min([i for i in survivors if i != avoid] or survivors, key=lambda i: (load[i], i))
             load[target] += 1
             return target
 
         for d in dead:
+            # An overlap's two sides need two instances: a side recovers on any survivor but the other.
+            others = {m.target for m in tracks.values() if m.source == d}
+            others |= {m.source for p, m in tracks.items() if owners.get(p) == d and m.source}
+            if any(all(i == o for i in survivors) for o in others):
+                said.append(f"{d} is dead: waiting for it or another instance (a parallel track needs two)")
+                continue
             for p, m in list(moving.items()):
                 if m.target == d:  # retarget: the source may release at any moment
-                    moving[p] = MoveSpec(
-                        move_id=m.move_id, pid=p, source=m.source, target=least_loaded(m.source), mode=m.mode
-                    )
+                    moving[p] = replace(m, target=least_loaded(m.source))
             lost = sorted(p for p, o in owners.items() if o == d)
             lost += sorted(p for p, m in moving.items() if m.source == d)
             for p in lost:
                 move = moving.pop(p, None)
-                target = least_loaded()
-                if p not in handoffs:  # a handoff never taken stays: the new target starts where it said
+                track = tracks.get(p)
+                if track is not None and f"{track.move_id}/new" in view.track_done:
+                    track = None  # the receiver's overlap was over: a plain replay rebuilds its window
+                target = least_loaded(track.source if track else "")
+                if track is not None:  # the overlap's new side: its tuples since the cutoff, re-read
+                    if p not in handoffs:
+                        handoffs[p] = _resume(view, track, committed(d, p))
+                    tracks[p] = replace(track, target=target)
+                elif p in tracks:
+                    tracks[p] = replace(tracks[p], target=target)
+                elif p not in handoffs:  # a handoff never taken stays: the new target starts where it said
                     cutoff = committed(d, p) or earliest(p)
                     move_id = f"recover-{uuid.uuid4().hex[:8]}"
                     handoffs[p] = Handoff(move_id=move_id, mode=Mode.REPLAY, cutoff=cutoff)
                 owners[p] = target
                 why = f" (its move {move.move_id} is abandoned)" if move else ""
                 said.append(f"{d} is dead: pid {p} recovered on {target} by replay{why}")
+            for p, m in sorted(tracks.items()):
+                if m.source == d:  # the overlap's old side: its window rebuilt, then re-read since the cutoff
+                    holder = least_loaded(m.target)
+                    if p not in track_handoffs:
+                        track_handoffs[p] = _resume(view, m, committed(d, p))
+                    tracks[p] = replace(m, source=holder)
+                    said.append(f"{d} is dead: pid {p}'s old tuples recovered on {holder} by replay")
             evicted.append(f"{d}@{liveness.incarnations.get(d, '?')}")
 
     for m in requested:
         p = m.pid
-        if owners.get(p) != m.source or p in moving or p in handoffs or m.move_id in view.started:
+        busy = p in moving or p in handoffs or p in tracks
+        if owners.get(p) != m.source or busy or m.move_id in view.started:
             continue
         if m.target in liveness.dead or m.target not in liveness.live:
             said.append(f"move of pid {p} to {m.target} refused: {m.target} is not live")
@@ -135,7 +181,20 @@ def plan_step(
         del owners[p]
         moving[p] = m
         said.append(f"move {m.move_id}: pid {p} {m.source} -> {m.target} ({m.mode.value}) started")
-    return _publish(a, owners, moving, handoffs, evicted, said)
+    return _publish(a, owners, moving, handoffs, tracks, track_handoffs, evicted, said)
+
+
+def _resume(view: ControlView, track: MoveSpec, committed: Mapping[str, int] | None) -> Handoff:
+    """Where a side of a parallel track whose instance died resumes: at its newest committed offsets,
+    after re-reading silently from the overlap's cutoff (both known from the sender's `Released`)."""
+    released = view.released[track.move_id]
+    return Handoff(
+        move_id=f"recover-{uuid.uuid4().hex[:8]}",
+        mode=Mode.PARALLEL_TRACK,
+        cutoff=committed or released.cutoff,
+        watermark=released.watermark,
+        since=released.cutoff,
+    )
 
 
 def _is_evicted(instance: str, evicted: list[str]) -> bool:
@@ -147,6 +206,8 @@ def _publish(
     owners: dict[int, str],
     moving: dict[int, MoveSpec],
     handoffs: dict[int, Handoff],
+    tracks: dict[int, MoveSpec],
+    track_handoffs: dict[int, Handoff],
     evicted: list[str],
     said: list[str],
 ) -> tuple[AssignmentMsg | None, list[str]]:
@@ -154,12 +215,20 @@ def _publish(
         owners == dict(a.owners)
         and moving == dict(a.moving)
         and handoffs == dict(a.handoffs)
+        and tracks == dict(a.tracks)
+        and track_handoffs == dict(a.track_handoffs)
         and tuple(evicted) == a.evicted
     )
     if same:
         return None, said
     return AssignmentMsg(
-        epoch=a.epoch + 1, owners=owners, moving=moving, handoffs=handoffs, evicted=tuple(evicted)
+        epoch=a.epoch + 1,
+        owners=owners,
+        moving=moving,
+        handoffs=handoffs,
+        tracks=tracks,
+        track_handoffs=track_handoffs,
+        evicted=tuple(evicted),
     ), said
 
 
@@ -274,8 +343,9 @@ class KafkaPidMover:
         self.step()
 
     def in_flight(self) -> Sequence[Move]:
-        """Moves being released and handoffs being taken; a handoff's source is the instance that
-        released the pid, or "?" for the recovery of a dead instance (nothing was released)."""
+        """Moves being released, handoffs being taken and parallel tracks (the source still holds the
+        pid's old tuples); a handoff's source is the instance that released the pid, or "?" for the
+        recovery of a dead instance (nothing was released)."""
         view = self.log.catch_up()
         a = view.assignment
         if a is None:
@@ -285,6 +355,8 @@ class KafkaPidMover:
             if p in a.owners:
                 released = view.released.get(h.move_id)
                 moves.append(Move(p, released.instance if released else "?", a.owners[p], h.mode))
+        tracked = {m.pid for m in moves}
+        moves += [Move(p, m.source, m.target, m.mode) for p, m in a.tracks.items() if p not in tracked]
         return moves
 
     def ready_instances(self) -> set[str]:

@@ -1,8 +1,8 @@
 """Random moves and kills against a running local pipeline, then the oracle's verdict.
 
 Shared by the integration test (`tests/integration/test_moves.py`, about 20 moves) and
-`fluxjoin bench soak` (100+ moves): rounds of `fluxjoin move` requests in alternating handoff modes under
-continuous input; in some rounds the controller is killed with SIGKILL as soon as the move has started
+`fluxjoin bench soak` (100+ moves): rounds of `fluxjoin move` requests in the three handoff modes in turn
+under continuous input; in some rounds the controller is killed with SIGKILL as soon as the move has started
 (a new controller must finish it), in others an instance is killed with SIGKILL (the controller recovers
 its pids by replay; the instance restarts empty).
 """
@@ -34,6 +34,7 @@ class SoakPlan:
     kill_instance_every: int = 8
     heartbeat_timeout_s: float = 6.0
     seed: int = 7
+    modes: tuple[Mode, ...] = (Mode.TRANSFER, Mode.REPLAY, Mode.PARALLEL_TRACK)  # one per round, in turn
 
 
 def soak_config(base: Config, pipeline: str, seconds: float) -> Config:
@@ -107,7 +108,7 @@ def run_soak(
     watch = _Watch(pipeline)
     names = instance_names(cfg.instances)
     done = {"moves": 0, "controller_kills": 0, "instance_kills": 0, "rounds": 0}
-    modes = [Mode.TRANSFER, Mode.REPLAY]
+    modes = plan.modes
 
     def start_controller() -> None:
         pipeline.start_controller(policy="static", heartbeat_timeout_s=plan.heartbeat_timeout_s)
@@ -123,9 +124,12 @@ def run_soak(
             round_no = done["rounds"]
             view = watch.log.catch_up()
             assert view.assignment is not None
-            owners = view.assignment.owners
+            a = view.assignment
+            owners = a.owners
             target = rng.choice(names)
-            pids = [p for p in rng.sample(sorted(owners), plan.pids_per_round) if owners[p] != target]
+            idle = sorted(p for p in owners if p not in a.handoffs and p not in a.tracks)
+            chosen = rng.sample(idle, min(plan.pids_per_round, len(idle)))
+            pids = [p for p in chosen if owners[p] != target]
             if not pids:
                 continue
             mode = modes[round_no % len(modes)]

@@ -15,10 +15,13 @@ malformed  2      stream index     reason code        0                Kafka off
 stats      3      window tuples    max event time     state bytes      tuples in (batch)     results
 state      4      tuple key        event time         stream index     tuple id              0
 released   5      exported tuples  watermark          0                0                     0
+track done 6      0                0                  side (1 old/2 new) 0                     0
 =========  =====  ===============  =================  ===============  ====================  ==========
 
 `state` rows are a released pid's window, exported for its new owner (handoff mode `transfer`); the
-`released` row closes every release, exported or not.
+`released` row closes every release, exported or not, and the beginning of a parallel-track overlap on
+the sender (whose watermark the receiver starts from). `track done`: in this batch the sender's last old
+tuple left the window, or the receiver returned to the plain lateness rule.
 """
 
 from __future__ import annotations
@@ -29,10 +32,28 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pipeline.join import Part, WindowState, install, join_step, window_from_bytes, window_to_bytes
-from pipeline.source import MALFORMED_STREAM, RELEASE_ROW, WATERMARK_ROW, WINDOW_ROW
+from pipeline.join import (
+    Part,
+    WindowState,
+    begin_new_track,
+    begin_old_track,
+    install,
+    join_step,
+    window_from_bytes,
+    window_to_bytes,
+)
+from pipeline.source import (
+    MALFORMED_STREAM,
+    RELEASE_ROW,
+    SILENT_ROW,
+    TRACK_NEW,
+    TRACK_OLD,
+    TRACK_ROW,
+    WATERMARK_ROW,
+    WINDOW_ROW,
+)
 
-KIND_RESULT, KIND_LATE, KIND_MALFORMED, KIND_STATS, KIND_STATE, KIND_RELEASED = 0, 1, 2, 3, 4, 5
+KIND_RESULT, KIND_LATE, KIND_MALFORMED, KIND_STATS, KIND_STATE, KIND_RELEASED, KIND_TRACK_DONE = range(7)
 STATE_SCHEMA = "window binary"
 
 
@@ -67,7 +88,9 @@ def make_join_function(
         stream_col = rows["stream"].to_numpy()
         ids, keys, ts = (rows[c].to_numpy().astype(np.int64) for c in ("id", "key", "ts"))
 
-        if (stream_col >= WINDOW_ROW).any() or (stream_col == WATERMARK_ROW).any():
+        if ((stream_col >= WINDOW_ROW) & (stream_col < SILENT_ROW)).any() or (
+            stream_col == WATERMARK_ROW
+        ).any():
             shipped = ts[stream_col == WATERMARK_ROW]
             parts = [
                 Part(ids[m], keys[m], ts[m]) for m in (stream_col == WINDOW_ROW + j for j in range(streams))
@@ -75,10 +98,34 @@ def make_join_function(
             wm = int(shipped.max()) if len(shipped) else None
             window = install(window, parts, wm, window_ms, allowed_lateness_ms)
 
+        zeros = [0] * (streams - 1)
+        track = stream_col == TRACK_ROW
+        roles = set(keys[track].tolist())
+        if TRACK_NEW in roles:
+            window = begin_new_track(
+                streams, int(ts[track][keys[track] == TRACK_NEW][0]), allowed_lateness_ms
+            )
+        if TRACK_OLD in roles:
+            window = begin_old_track(window, allowed_lateness_ms)
+            yield _frame(KIND_RELEASED, pid, 0, window.watermark, 0, [0, *zeros], 1)
+        receiving = window.old_max is not None
+        silent = [
+            Part(ids[m], keys[m], ts[m]) for m in (stream_col == SILENT_ROW + j for j in range(streams))
+        ]
+        if any(len(part) for part in silent):  # as the dead instance processed them; its output stands
+            window = join_step(window, silent, window_ms, allowed_lateness_ms).state
+
         new = [Part(ids[m], keys[m], ts[m]) for m in (stream_col == j for j in range(streams))]
         out = join_step(window, new, window_ms, allowed_lateness_ms)
+        if (
+            out.state.old is not None
+            and out.state.old_tuples == 0
+            and (TRACK_OLD in roles or window.old_tuples)
+        ):
+            yield _frame(KIND_TRACK_DONE, pid, 0, 0, TRACK_OLD, [0, *zeros], 1)
+        if receiving and out.state.old_max is None:
+            yield _frame(KIND_TRACK_DONE, pid, 0, 0, TRACK_NEW, [0, *zeros], 1)
         released = stream_col == RELEASE_ROW
-        zeros = [0] * (streams - 1)
         r = out.results
         if len(r):
             yield _frame(KIND_RESULT, pid, r.keys, r.max_ts, 0, list(r.ids), len(r))

@@ -14,6 +14,13 @@ A move of pid p from S to T takes two assignment epochs (an offset barrier, as i
    boundary, installs the window (from the snapshot, or by re-reading the input before the cutoff for
    `replay`) and continues at the cutoff; its batch commits `Acquired(p)`.
 
+A `parallel_track` move (PTLB) replaces step 1's barrier by an overlap: S does not stop reading p; its
+batch at the boundary marks its window old and commits `Released(p, cutoff, watermark)`. Epoch e+2 gives p
+to T (empty window, from the cutoff) and lists p in `tracks`: S keeps reading p and emits the results
+with an old tuple until its old tuples have left the window, then commits `TrackDone(p, old)`, and the
+epoch after lets S go (the track's source becomes ""); T commits `TrackDone(p, new)` when it returns to
+the plain lateness rule; once both are in, the track is dropped.
+
 Every message carries the complete map, not a diff (a reader needs only the newest assignment), and an
 epoch; instances act on assignments only at batch boundaries and never read or emit a pid they do not own
 in the epoch they act on.
@@ -37,6 +44,9 @@ class Mode(Enum):
     """The sender exports the window at the cutoff; the receiver installs it (Flux, MSLB)."""
     REPLAY = "replay"
     """The receiver rebuilds the window by re-reading the input before the cutoff; nothing is shipped."""
+    PARALLEL_TRACK = "parallel_track"
+    """The receiver starts empty at the cutoff; the sender keeps the pid until its old tuples expire
+    (PTLB). Nothing is shipped and the pid never pauses."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +67,10 @@ class Handoff:
     mode: Mode
     cutoff: Mapping[str, int]  # stream -> first offset the receiver reads
     snapshot: Snapshot | None = None  # transfer only
+    watermark: int | None = None  # parallel_track only: the sender's watermark at the cutoff
+    # parallel_track recovery: the overlap began at `since`; [since, cutoff) is re-read silently (processed
+    # as the dead instance processed it, emitting nothing) before reading on from the cutoff.
+    since: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,6 +92,10 @@ class AssignmentMsg:
     owners: Mapping[int, str]
     moving: Mapping[int, MoveSpec] = field(default_factory=dict)  # pid -> move, for pids in transit
     handoffs: Mapping[int, Handoff] = field(default_factory=dict)  # pid -> handoff, for pids being taken
+    # pid -> its parallel_track move while the move's source still holds the old tuples (the overlap)
+    tracks: Mapping[int, MoveSpec] = field(default_factory=dict)
+    # pid -> where a new holder of the old tuples resumes (the previous holder died in the overlap)
+    track_handoffs: Mapping[int, Handoff] = field(default_factory=dict)
     evicted: tuple[str, ...] = ()  # "instance@incarnation" declared dead; on return they restart empty
     version: int = PROTOCOL_VERSION
 
@@ -95,7 +113,25 @@ class ReleasedMsg:
     move_id: str
     cutoff: Mapping[str, int]
     snapshot: Snapshot | None = None
+    watermark: int | None = None  # parallel_track: the receiver's lateness rule starts from it
     version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrackDoneMsg:
+    """One side of a parallel_track overlap is over: the sender (`side` "old") holds no old tuple of
+    `pid` any more and can let it go; the receiver ("new") is back to the plain lateness rule."""
+
+    instance: str
+    epoch: int
+    pid: int
+    move_id: str
+    side: str
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def key(self) -> str:
+        return f"{self.move_id}/{self.side}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,7 +159,7 @@ class MoveRequestMsg:
         return f"{self.request_id}-{pid}"
 
 
-Message = AssignmentMsg | ReleasedMsg | AcquiredMsg | MoveRequestMsg
+Message = AssignmentMsg | ReleasedMsg | AcquiredMsg | TrackDoneMsg | MoveRequestMsg
 
 
 class ProtocolError(ValueError):
@@ -153,6 +189,8 @@ def handoff_to_json(h: Handoff) -> dict[str, Any]:
         "mode": h.mode.value,
         "cutoff": dict(h.cutoff),
         "snapshot": snapshot_to_json(h.snapshot),
+        "watermark": h.watermark,
+        "since": dict(h.since) if h.since is not None else None,
     }
 
 
@@ -162,6 +200,8 @@ def handoff_from_json(d: dict[str, Any]) -> Handoff:
         mode=Mode(d["mode"]),
         cutoff={s: int(o) for s, o in d["cutoff"].items()},
         snapshot=snapshot_from_json(d.get("snapshot")),
+        watermark=d.get("watermark"),
+        since={s: int(o) for s, o in d["since"].items()} if d.get("since") is not None else None,
     )
 
 
@@ -184,6 +224,8 @@ def encode(msg: Message) -> bytes:
             "owners": {str(p): o for p, o in sorted(msg.owners.items())},
             "moving": {str(p): move_to_json(m) for p, m in sorted(msg.moving.items())},
             "handoffs": {str(p): handoff_to_json(h) for p, h in sorted(msg.handoffs.items())},
+            "tracks": {str(p): move_to_json(m) for p, m in sorted(msg.tracks.items())},
+            "track_handoffs": {str(p): handoff_to_json(h) for p, h in sorted(msg.track_handoffs.items())},
             "evicted": list(msg.evicted),
         }
     elif isinstance(msg, ReleasedMsg):
@@ -195,6 +237,16 @@ def encode(msg: Message) -> bytes:
             "move_id": msg.move_id,
             "cutoff": dict(msg.cutoff),
             "snapshot": snapshot_to_json(msg.snapshot),
+            "watermark": msg.watermark,
+        }
+    elif isinstance(msg, TrackDoneMsg):
+        body = {
+            "kind": "track_done",
+            "instance": msg.instance,
+            "epoch": msg.epoch,
+            "pid": msg.pid,
+            "move_id": msg.move_id,
+            "side": msg.side,
         }
     elif isinstance(msg, MoveRequestMsg):
         body = {
@@ -228,6 +280,8 @@ def decode(raw: bytes) -> Message:
                 owners={int(p): o for p, o in d["owners"].items()},
                 moving={int(p): move_from_json(m) for p, m in d["moving"].items()},
                 handoffs={int(p): handoff_from_json(h) for p, h in d["handoffs"].items()},
+                tracks={int(p): move_from_json(m) for p, m in d.get("tracks", {}).items()},
+                track_handoffs={int(p): handoff_from_json(h) for p, h in d.get("track_handoffs", {}).items()},
                 evicted=tuple(d["evicted"]),
             )
         if kind == "released":
@@ -238,6 +292,15 @@ def decode(raw: bytes) -> Message:
                 move_id=d["move_id"],
                 cutoff={s: int(o) for s, o in d["cutoff"].items()},
                 snapshot=snapshot_from_json(d.get("snapshot")),
+                watermark=d.get("watermark"),
+            )
+        if kind == "track_done":
+            return TrackDoneMsg(
+                instance=d["instance"],
+                epoch=int(d["epoch"]),
+                pid=int(d["pid"]),
+                move_id=d["move_id"],
+                side=d["side"],
             )
         if kind == "acquired":
             return AcquiredMsg(
@@ -268,6 +331,7 @@ class ControlView:
     assignment: AssignmentMsg | None = None
     released: Mapping[str, ReleasedMsg] = field(default_factory=dict)
     acquired: Mapping[str, AcquiredMsg] = field(default_factory=dict)
+    track_done: Mapping[str, TrackDoneMsg] = field(default_factory=dict)  # by "move_id/side"
     requests: tuple[MoveRequestMsg, ...] = ()
     started: frozenset[str] = frozenset()
 
@@ -276,12 +340,15 @@ class ControlView:
         if isinstance(msg, AssignmentMsg):
             if self.assignment is not None and msg.epoch <= self.assignment.epoch:
                 return self
-            ids = {m.move_id for m in msg.moving.values()} | {h.move_id for h in msg.handoffs.values()}
+            ids = {m.move_id for m in [*msg.moving.values(), *msg.tracks.values()]}
+            ids |= {h.move_id for h in [*msg.handoffs.values(), *msg.track_handoffs.values()]}
             return replace(self, assignment=msg, started=self.started | ids)
         if isinstance(msg, ReleasedMsg):
             return replace(self, released={**self.released, msg.move_id: msg})
         if isinstance(msg, AcquiredMsg):
             return replace(self, acquired={**self.acquired, msg.move_id: msg})
+        if isinstance(msg, TrackDoneMsg):
+            return replace(self, track_done={**self.track_done, msg.key: msg})
         return replace(self, requests=(*self.requests, msg))
 
     def pending_requests(self) -> list[tuple[MoveRequestMsg, int]]:

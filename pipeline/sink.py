@@ -14,9 +14,9 @@ The marker also publishes, atomically with the output, how far each pid has been
 
 Handoffs ride the same transaction: a batch that releases pids writes their exported windows to the
 handoff topic and `Released` to the control topic; a batch that installs taken-over pids writes
-`Acquired`. Before committing, the sink reads the control log to its end and aborts if another instance
-now owns a pid this batch processed (this instance was declared dead and its pids recovered elsewhere):
-a stale owner can neither emit nor acknowledge.
+`Acquired`, and the end of a parallel-track overlap `TrackDone`. Before committing, the sink reads the
+control log to its end and aborts if a newer assignment lists this instance as evicted (it was declared
+dead and its pids recovered elsewhere): a stale owner can neither emit nor acknowledge.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ from pipeline.operator import (
     KIND_RESULT,
     KIND_STATE,
     KIND_STATS,
+    KIND_TRACK_DONE,
 )
-from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, handoff_from_json
+from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, TrackDoneMsg, handoff_from_json
+from pipeline.source import TRACK_OLD
 from pipeline.topics import partition_offsets, read_topic
 
 RESULTS_PER_MESSAGE = 8_000  # keeps each results message well under Kafka's 1 MB default
@@ -143,22 +145,20 @@ class ExactlyOnceSink:
         self.producer.produce(self.cfg.sink_commits_topic, key=self.instance, value=json.dumps(marker))
         metrics = self._metrics(batch_id, offsets, columns, kind, started, results, late, malformed)
         self.producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(metrics))
-        stale = self._stale_pids(offsets, columns, kind)
-        if stale:
+        evicted_in = self._evicted_in(offsets)
+        if evicted_in is not None:
             self.producer.abort_transaction(60)
-            raise Fenced(f"{self.instance}: pids {stale} belong to other instances now; not committing")
+            raise Fenced(f"{self.instance} was declared dead in epoch {evicted_in}; not committing")
         self.producer.commit_transaction(60)
         self.last_batch = batch_id
 
-    def _stale_pids(
-        self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray
-    ) -> list[int]:
-        """Pids this batch processed that the newest assignment gives to another instance."""
+    def _evicted_in(self, offsets: dict[str, Any]) -> int | None:
+        """The epoch of a newer assignment that evicts this incarnation (its pids went elsewhere)."""
         newest = self.control.catch_up().assignment
         if newest is None or newest.epoch <= offsets["epoch"]:
-            return []
-        touched = set(columns["pid"][kind == KIND_STATS].tolist())
-        return sorted(p for p in touched if newest.owners.get(p, self.instance) != self.instance)
+            return None
+        names = {f"{self.instance}@{self.incarnation}", f"{self.instance}@?"}  # "?": never heard
+        return newest.epoch if names & set(newest.evicted) else None
 
     def _acknowledge_handoffs(
         self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray
@@ -169,6 +169,10 @@ class ExactlyOnceSink:
             if released["move_id"] is None:
                 continue
             snapshot = self._export(int(p), columns, kind) if released["export"] else None
+            watermark = None
+            if released.get("track"):
+                closing = (kind == KIND_RELEASED) & (columns["pid"] == int(p))
+                watermark = int(columns["ts"][closing][0])
             msg = ReleasedMsg(
                 instance=self.instance,
                 epoch=epoch,
@@ -176,8 +180,20 @@ class ExactlyOnceSink:
                 move_id=released["move_id"],
                 cutoff=released["cutoff"],
                 snapshot=snapshot,
+                watermark=watermark,
             )
             publish(self.producer, self.cfg.control_topic, msg)
+        ended = kind == KIND_TRACK_DONE
+        for p, side in zip(columns["pid"][ended].tolist(), columns["aux"][ended].tolist(), strict=True):
+            track = offsets["tracking"][str(p)]
+            done = TrackDoneMsg(
+                instance=self.instance,
+                epoch=epoch,
+                pid=int(p),
+                move_id=track["move_id"],
+                side="old" if side == TRACK_OLD else "new",
+            )
+            publish(self.producer, self.cfg.control_topic, done)
         for p, acquired in offsets.get("acquired", {}).items():
             handoff = handoff_from_json(acquired["handoff"])
             msg2 = AcquiredMsg(instance=self.instance, epoch=epoch, pid=int(p), move_id=handoff.move_id)

@@ -50,7 +50,10 @@ _ARROW_SCHEMA = pa.schema(
 MALFORMED_STREAM = -1  # id = Kafka offset, key = stream index, ts = Malformation code
 RELEASE_ROW = -2  # the pid leaves this instance; key = 1 to export its window
 WATERMARK_ROW = -3  # ts = the watermark of an installed snapshot
+TRACK_ROW = -4  # parallel track begins: key = TRACK_OLD (sender) / TRACK_NEW (ts = the sender's watermark)
+TRACK_OLD, TRACK_NEW = 1, 2
 WINDOW_ROW = 16  # WINDOW_ROW + j: a window tuple of stream j to install, not to join
+SILENT_ROW = 32  # SILENT_ROW + j: a tuple of stream j a dead instance processed: processed again, silently
 _READ_TIMEOUT_S = 60.0
 SAMPLE_EVERY_S = 30.0
 
@@ -67,8 +70,15 @@ class OwnedPids:
     # Pids being taken over: where to continue and how to get the window. A pid new to this instance
     # without a handoff starts at the earliest offsets with an empty window (a fresh pipeline).
     handoffs: Mapping[int, Handoff] = field(default_factory=dict)
-    # Pids in transit from this instance: released at the next batch boundary.
+    # Pids in transit from this instance: released at the next batch boundary (parallel_track: the
+    # overlap begins there instead).
     releasing: Mapping[int, MoveSpec] = field(default_factory=dict)
+    # Parallel-track overlaps: pids whose old tuples this instance still holds (it keeps reading them),
+    # and owned pids whose old tuples another instance still holds.
+    old_tracks: Mapping[int, str] = field(default_factory=dict)  # pid -> the track's move id
+    new_tracks: Mapping[int, str] = field(default_factory=dict)
+    # Old tracks this instance takes over from a holder that died: where to resume, how to rebuild.
+    track_handoffs: Mapping[int, Handoff] = field(default_factory=dict)
 
 
 def owned_pids(msg: AssignmentMsg, instance: str) -> OwnedPids:
@@ -78,6 +88,13 @@ def owned_pids(msg: AssignmentMsg, instance: str) -> OwnedPids:
         pids=pids,
         handoffs={p: h for p, h in msg.handoffs.items() if p in pids},
         releasing={p: m for p, m in msg.moving.items() if m.source == instance},
+        old_tracks={p: m.move_id for p, m in msg.tracks.items() if m.source == instance},
+        new_tracks={p: m.move_id for p, m in msg.tracks.items() if m.target == instance},
+        track_handoffs={
+            p: h
+            for p, h in msg.track_handoffs.items()
+            if p in msg.tracks and msg.tracks[p].source == instance
+        },
     )
 
 
@@ -90,6 +107,9 @@ def write_assignment(path: Path, owned: OwnedPids) -> None:
         "pids": sorted(owned.pids),
         "handoffs": {str(p): handoff_to_json(h) for p, h in sorted(owned.handoffs.items())},
         "releasing": {str(p): move_to_json(m) for p, m in sorted(owned.releasing.items())},
+        "old_tracks": {str(p): m for p, m in sorted(owned.old_tracks.items())},
+        "new_tracks": {str(p): m for p, m in sorted(owned.new_tracks.items())},
+        "track_handoffs": {str(p): handoff_to_json(h) for p, h in sorted(owned.track_handoffs.items())},
     }
     tmp.write_text(json.dumps(body))
     os.replace(tmp, path)
@@ -102,6 +122,9 @@ def read_assignment(path: Path) -> OwnedPids:
         pids=frozenset(int(p) for p in body["pids"]),
         handoffs={int(p): handoff_from_json(h) for p, h in body["handoffs"].items()},
         releasing={int(p): move_from_json(m) for p, m in body["releasing"].items()},
+        old_tracks={int(p): m for p, m in body["old_tracks"].items()},
+        new_tracks={int(p): m for p, m in body["new_tracks"].items()},
+        track_handoffs={int(p): handoff_from_json(h) for p, h in body["track_handoffs"].items()},
     )
 
 
@@ -121,6 +144,7 @@ class PidRange:
     start: int
     end: int
     window: bool = False
+    silent: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +154,7 @@ class HandoffWork:
 
     releases: tuple[tuple[int, bool], ...] = ()
     snapshots: tuple[tuple[int, Snapshot], ...] = ()
+    markers: tuple[tuple[int, int, int, int], ...] = ()  # (pid, stream code, key, ts): track rows
 
 
 class KafkaPidPartition(InputPartition):
@@ -247,14 +272,32 @@ class FluxjoinStreamReader(DataSourceStreamReader):
 
     def _change_epoch(self, offset: dict, owned: OwnedPids) -> dict:
         """Release pids no longer owned (at their current offsets, the cutoff); enter acquired ones at
-        their handoff's cutoff (or the earliest offsets when there is none)."""
+        their handoff's cutoff (or the earliest offsets when there is none).
+
+        Parallel track: a pid in transit in that mode is not released but kept, its overlap beginning
+        here (`tracking` role "old", carried in every later offset until the track ends); a pid taken
+        over in that mode is tracked "new" until the assignment drops its track.
+        """
         current: Offsets = offset["offsets"]
         first = self.streams[0]
-        keep: Offsets = {
-            s: {p: o for p, o in current.get(s, {}).items() if int(p) in owned.pids} for s in self.streams
+        before: dict[str, dict[str, Any]] = offset.get("tracking", {})
+        tracking: dict[str, dict[str, Any]] = {}
+        held = set(owned.pids) | set(owned.old_tracks)
+        markers: list[tuple[int, int, int, int]] = []
+        starting = {
+            p: m
+            for p, m in owned.releasing.items()
+            if m.mode is Mode.PARALLEL_TRACK and before.get(str(p), {}).get("role") != "old"
         }
+        held |= {p for p, m in owned.releasing.items() if m.mode is Mode.PARALLEL_TRACK}
+        keep: Offsets = {
+            s: {p: o for p, o in current.get(s, {}).items() if int(p) in held} for s in self.streams
+        }
+        for key, t in before.items():
+            if int(key) in held and (t["role"] == "old" or int(key) in owned.new_tracks):
+                tracking[key] = t
         released = {}
-        for p in sorted(int(p) for p in current.get(first, {}) if int(p) not in owned.pids):
+        for p in sorted(int(p) for p in current.get(first, {}) if int(p) not in held):
             move = owned.releasing.get(p)
             released[str(p)] = {
                 "move_id": move.move_id if move else None,
@@ -264,16 +307,41 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         new = sorted(p for p in owned.pids if str(p) not in keep[first])
         # A query's first batch may see pids already in transit from it that it never read (the move
         # began while the instance was starting): it releases them where nobody has read them yet.
-        unread = sorted(owned.releasing) if offset["epoch"] == -1 else []
+        unread = (
+            sorted(p for p in owned.releasing if str(p) not in keep[first]) if offset["epoch"] == -1 else []
+        )
         earliest = self._watermarks([p for p in new if p not in owned.handoffs] + unread, "earliest")
         for p in unread:
             move = owned.releasing[p]
+            cutoff = {s: earliest[s][str(p)] for s in self.streams}
+            if move.mode is Mode.PARALLEL_TRACK:
+                for s in self.streams:
+                    keep[s][str(p)] = cutoff[s]
             released[str(p)] = {
                 "move_id": move.move_id,
                 "export": move.mode is Mode.TRANSFER,
-                "cutoff": {s: earliest[s][str(p)] for s in self.streams},
+                "cutoff": cutoff,
             }
-        acquired = {}
+        for p, move in sorted(starting.items()):
+            if str(p) not in keep[first]:
+                continue  # not read by this query: nothing to track
+            cutoff = {s: keep[s][str(p)] for s in self.streams}
+            released.setdefault(str(p), {"move_id": move.move_id, "export": False, "cutoff": cutoff})
+            released[str(p)]["track"] = True
+            tracking[str(p)] = {"role": "old", "move_id": move.move_id}
+            markers.append((p, TRACK_ROW, TRACK_OLD, 0))
+        acquired: dict[str, dict[str, Any]] = {}
+        for p, resume in sorted(owned.track_handoffs.items()):
+            if str(p) in keep[first]:
+                continue  # resumed already
+            assert resume.since is not None and resume.watermark is not None
+            for s in self.streams:
+                keep[s][str(p)] = resume.cutoff[s]
+            since = self._replay_from(p, resume.since)
+            acquired[str(p)] = {"handoff": handoff_to_json(resume), "replay_from": since}
+            markers.append((p, WATERMARK_ROW, 0, resume.watermark))
+            markers.append((p, TRACK_ROW, TRACK_OLD, 0))
+            tracking[str(p)] = {"role": "old", "move_id": owned.old_tracks[p]}
         for p in new:
             handoff = owned.handoffs.get(p)
             if handoff is None:
@@ -284,7 +352,18 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 keep[s][str(p)] = handoff.cutoff[s]
             replay = self._replay_from(p, handoff.cutoff) if handoff.mode is Mode.REPLAY else None
             acquired[str(p)] = {"handoff": handoff_to_json(handoff), "replay_from": replay}
-        return {"epoch": owned.epoch, "offsets": keep, "released": released, "acquired": acquired}
+            if handoff.mode is Mode.PARALLEL_TRACK:
+                assert handoff.watermark is not None, "a parallel_track handoff carries the watermark"
+                markers.append((p, TRACK_ROW, TRACK_NEW, handoff.watermark))
+                tracking[str(p)] = {"role": "new", "move_id": owned.new_tracks[p]}
+        return {
+            "epoch": owned.epoch,
+            "offsets": keep,
+            "released": released,
+            "acquired": acquired,
+            "tracking": tracking,
+            "markers": markers,
+        }
 
     def _replay_from(self, pid: int, cutoff: Mapping[str, int]) -> dict[str, int]:
         """Offsets from which re-reading the input rebuilds the window the previous owner had at the
@@ -320,19 +399,20 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         owned = read_assignment(self.assignment_path)
         if owned.epoch != start["epoch"]:
             return self._change_epoch(start, owned)
+        same = {"epoch": owned.epoch, "tracking": start.get("tracking", {})}
         pids = sorted(int(p) for p in start["offsets"][self.streams[0]])
         if not pids:
-            return {"epoch": owned.epoch, "offsets": start["offsets"]}
+            return same | {"offsets": start["offsets"]}
         latest = self._watermarks(pids, "latest")
         if isinstance(limit, ReadAllAvailable):
-            return {"epoch": owned.epoch, "offsets": latest}
+            return same | {"offsets": latest}
         rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.max_rows
         backlog = sum(latest[s][p] - start["offsets"][s][p] for s in latest for p in latest[s])
         cap = max(1, int(rows / self._tuples_per_message(start["offsets"], latest)))
         if backlog <= cap:
-            return {"epoch": owned.epoch, "offsets": latest}
+            return same | {"offsets": latest}
         cut, next_pid = whole_pids_within(start["offsets"], latest, cap, int(start.get("next_pid", 0)))
-        return {"epoch": owned.epoch, "offsets": cut, "next_pid": next_pid}
+        return same | {"offsets": cut, "next_pid": next_pid}
 
     def _tuples_per_message(self, start: Offsets, latest: Offsets, samples: int = 4) -> float:
         """Tuples per message, from the middle message of the backlogs of the partitions with the largest
@@ -387,20 +467,28 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             if p in start["offsets"].get(s, {})
         ]
         tasks = [KafkaPidPartition(t, self.partition_count) for t in plan_partitions(ranges, self.tasks)]
-        releases = tuple((int(p), bool(r["export"])) for p, r in end.get("released", {}).items())
+        releases = tuple(  # a parallel track's sender keeps the window (its old tuples)
+            (int(p), bool(r["export"])) for p, r in end.get("released", {}).items() if not r.get("track")
+        )
         snapshots = []
         replays = []
         for p, a in end.get("acquired", {}).items():
             handoff = handoff_from_json(a["handoff"])
             if handoff.snapshot is not None:
                 snapshots.append((int(p), handoff.snapshot))
+            window_end = handoff.since if handoff.since is not None else handoff.cutoff
             for i, s in enumerate(self.streams):
-                if a["replay_from"] is not None and a["replay_from"][s] < handoff.cutoff[s]:
+                if a["replay_from"] is not None and a["replay_from"][s] < window_end[s]:
                     replays.append(
-                        PidRange(i, self.topics[i], int(p), a["replay_from"][s], handoff.cutoff[s], True)
+                        PidRange(i, self.topics[i], int(p), a["replay_from"][s], window_end[s], True)
                     )
-        if releases or snapshots or replays:
-            work = HandoffWork(releases, tuple(snapshots))
+                if window_end[s] < handoff.cutoff[s]:
+                    replays.append(
+                        PidRange(i, self.topics[i], int(p), window_end[s], handoff.cutoff[s], silent=True)
+                    )
+        markers = tuple((int(p), int(c), int(k), int(t)) for p, c, k, t in end.get("markers", []))
+        if releases or snapshots or replays or markers:
+            work = HandoffWork(releases, tuple(snapshots), markers)
             tasks.append(KafkaPidPartition(replays, self.partition_count, work))
         return tasks
 
@@ -434,6 +522,8 @@ def handoff_rows(bootstrap: str, work: HandoffWork, streams: int) -> Iterator[pa
                 kinds = np.full(len(part), WINDOW_ROW + j, np.int8)
                 yield _rows(pid, kinds, part.ids, part.keys, part.ts)
         yield _rows(pid, np.array([WATERMARK_ROW], np.int8), [0], [0], [window.watermark])
+    for pid, code, key, ts in work.markers:
+        yield _rows(pid, np.array([code], np.int8), [0], [key], [ts])
 
 
 def read_snapshot(bootstrap: str, snapshot: Snapshot) -> bytes:
@@ -556,7 +646,7 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                         raise MalformedRecord(Malformation.WRONG_PARTITION, "key of another pid")
                     cols[tp].append((ids, keys, ts))
                 except MalformedRecord as exc:
-                    if not r.window:  # re-read for a window: reported when first read
+                    if not (r.window or r.silent):  # re-read: reported when first read
                         bad[tp].append((off, int(exc.reason)))
         consumer.unassign()  # drops whatever was fetched beyond the ranges
         clean = True
@@ -575,7 +665,8 @@ def _to_arrow(
     keys = [c[1] for c in cols] + [np.full(len(bad), r.stream_index, dtype=np.int64)]
     ts = [c[2] for c in cols] + [np.array([code for _, code in bad], dtype=np.int64)]
     n_good = sum(len(c[0]) for c in cols)
-    stream = np.full(n_good + len(bad), r.stream_index + (WINDOW_ROW if r.window else 0), dtype=np.int8)
+    code = r.stream_index + (WINDOW_ROW if r.window else SILENT_ROW if r.silent else 0)
+    stream = np.full(n_good + len(bad), code, dtype=np.int8)
     stream[n_good:] = MALFORMED_STREAM
     return pa.RecordBatch.from_arrays(
         [

@@ -1,6 +1,6 @@
 """Live pid moves on a real broker with real Spark instances, checked by the oracle.
 
-At least 20 random moves in both handoff modes under continuous input, a kill -9 of the controller in the
+At least 20 random moves in the three handoff modes under continuous input, a kill -9 of the controller in the
 middle of a move and of an instance (its pids are recovered by replay; it restarts empty): the results
 topic must still hold exactly the oracle's join.
 """

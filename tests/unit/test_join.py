@@ -12,6 +12,8 @@ from pipeline.join import (
     NO_WATERMARK,
     Part,
     WindowState,
+    begin_new_track,
+    begin_old_track,
     join_parts,
     join_step,
     window_from_bytes,
@@ -104,3 +106,76 @@ def test_purge_keeps_exactly_what_future_tuples_can_match() -> None:
     # watermark = 100 - 20 = 80; keep ts >= 80 - 30 = 50
     assert out.state.parts[0].ts.tolist() == [50, 100]
     assert NO_WATERMARK < out.state.watermark == 80
+
+
+def _run(state: WindowState, streams: list[list[Tuple3]], cuts: list[list[int]], window: int, lateness: int):
+    """Feed `streams` in batches cut at `cuts`; returns the final state, results and late ids."""
+    produced: list[tuple[int, ...]] = []
+    late: list[set[int]] = [set() for _ in streams]
+    batches = len(cuts[0]) + 1
+    for b in range(batches):
+        new = []
+        for j, s in enumerate(streams):
+            bounds = [0, *cuts[j], len(s)]
+            new.append(as_part(s[bounds[b] : bounds[b + 1]]))
+        out = join_step(state, new, window, lateness)
+        produced += result_set(out.results.ids)
+        for j, p in enumerate(out.late):
+            late[j] |= set(p.ids.tolist())
+        state = window_from_bytes(window_to_bytes(out.state))
+    return state, produced, late
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    m=st.integers(2, 3),
+    data=st.data(),
+    window=st.integers(0, 12),
+    lateness=st.integers(0, 6),
+)
+def test_parallel_track_sender_and_receiver_emit_disjoint_complete_results(
+    m: int, data: st.DataObject, window: int, lateness: int
+) -> None:
+    """Before the cutoff one instance runs the pid; after it, the sender (old window) and the receiver
+    (empty) both read the rest in different micro-batches. Together, and with what came before, they emit
+    exactly the join of every tuple nobody reported late, and they agree on which tuples are late."""
+    raw = [data.draw(stream_tuples) for _ in range(m)]
+    streams = [[(i, k, t) for i, (k, t) in enumerate(s)] for s in raw]
+    cutoff = [data.draw(st.integers(0, len(s))) for s in streams]
+    before = [s[:c] for s, c in zip(streams, cutoff, strict=True)]
+    after = [s[c:] for s, c in zip(streams, cutoff, strict=True)]
+
+    def draw_cuts(parts: list[list[Tuple3]], n: int) -> list[list[int]]:
+        return [sorted(data.draw(st.lists(st.integers(0, len(p)), min_size=n, max_size=n))) for p in parts]
+
+    sender, produced, late = _run(WindowState.empty(m), before, draw_cuts(before, 2), window, lateness)
+    sender = begin_old_track(sender, lateness)
+    receiver = begin_new_track(m, sender.watermark, lateness)
+    sender, from_sender, sender_late = _run(sender, after, draw_cuts(after, 3), window, lateness)
+    receiver, from_receiver, receiver_late = _run(receiver, after, draw_cuts(after, 2), window, lateness)
+    assert all(not s for s in sender_late), "only the receiver reports"
+
+    kept = [[t for t in s if t[0] not in late[j] | receiver_late[j]] for j, s in enumerate(streams)]
+    everything = produced + from_sender + from_receiver
+    assert sorted(everything) == sorted(brute_force(kept, window))
+    assert len(everything) == len(set(everything)), "a result was produced twice"
+    assert receiver.old is None and sender.old is not None
+    if sender.old_tuples == 0 and sender.stream_max is not None and min(sender.stream_max) != NO_WATERMARK:
+        assert receiver.stream_max is None, "both sides passed the old tuples: the receiver is done too"
+
+
+def test_sender_lets_go_once_every_stream_passed_its_old_tuples() -> None:
+    out = join_step(WindowState.empty(2), [as_part([(0, 1, 100)]), as_part([(0, 1, 100)])], 10, 5)
+    sender = begin_old_track(out.state, 5)
+    assert sender.old_tuples == 2
+    only_a = join_step(sender, [as_part([(1, 1, 200)]), as_part([])], 10, 5)
+    assert only_a.state.old_tuples == 2, "stream B has not passed 100 + W + lateness: partners may come"
+    both = join_step(only_a.state, [as_part([]), as_part([(1, 1, 200)])], 10, 5)
+    assert both.state.old_tuples == 0
+    receiver = begin_new_track(2, sender.watermark, 5)
+    assert receiver.old_max == 100
+    receiver = join_step(receiver, [as_part([(1, 1, 200)]), as_part([(1, 1, 112)])], 10, 5).state
+    assert receiver.stream_max is not None, "B's threshold 107 is within W of an old tuple at 100"
+    receiver = join_step(receiver, [as_part([]), as_part([(2, 1, 200)])], 10, 5).state
+    assert receiver.stream_max is None and receiver.old_max is None
+    assert window_from_bytes(window_to_bytes(receiver)) == receiver

@@ -4,6 +4,7 @@ recovery of dead instances and rejoining."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from controller.moves import Liveness, plan_step
 from pipeline.protocol import (
@@ -15,6 +16,7 @@ from pipeline.protocol import (
     MoveSpec,
     ReleasedMsg,
     Snapshot,
+    TrackDoneMsg,
     fold,
 )
 
@@ -123,3 +125,70 @@ def test_a_dead_instance_without_pids_is_evicted_once() -> None:
     msg = step(view, dead)
     assert msg is not None and msg.evicted == ("a@ia",) and dict(msg.owners) == dict(view.assignment.owners)  # type: ignore[union-attr]
     assert step(view.apply(msg), dead) is None, "evicted once"
+
+
+PT = MoveSpec(move_id="pt", pid=1, source="a", target="b", mode=Mode.PARALLEL_TRACK)
+
+
+def _overlap() -> ControlView:
+    """Pid 1 in a parallel track: "a" holds its old tuples, "b" owns it from the cutoff."""
+    view = fold([START])
+    for msg in (
+        step(view, requested=[PT]),
+        ReleasedMsg(instance="a", epoch=1, pid=1, move_id="pt", cutoff={"A": 5, "B": 6}, watermark=900),
+    ):
+        assert msg is not None
+        view = view.apply(msg)
+    second = step(view)
+    assert second is not None
+    return view.apply(second)
+
+
+def test_a_parallel_track_keeps_both_sides_until_both_are_done() -> None:
+    view = _overlap()
+    a = view.assignment
+    assert a is not None and a.owners[1] == "b" and a.tracks == {1: PT}
+    assert a.handoffs[1].watermark == 900 and a.handoffs[1].since is None
+    assert step(view, requested=[replace(PT, move_id="again", source="b", target="c")]) is None, (
+        "no other move of a pid in a parallel track"
+    )
+    view = view.apply(AcquiredMsg(instance="b", epoch=2, pid=1, move_id="pt"))
+    view = view.apply(view_step(view))
+    view = view.apply(TrackDoneMsg(instance="a", epoch=3, pid=1, move_id="pt", side="old"))
+    lets_go = step(view)
+    assert lets_go is not None and lets_go.tracks[1].source == "", "the sender lets the pid go"
+    view = view.apply(lets_go).apply(TrackDoneMsg(instance="b", epoch=4, pid=1, move_id="pt", side="new"))
+    over = step(view)
+    assert over is not None and not over.tracks
+
+
+def test_a_dead_sender_of_a_parallel_track_is_resumed_on_a_third_instance() -> None:
+    view = _overlap()
+    a_dead = Liveness(live={"b": "ib", "c": "ic"}, dead=frozenset({"a"}), incarnations={"a": "ia"})
+    msg = step(view, a_dead)
+    assert msg is not None and msg.tracks[1].source == "c", "never the receiver: its state key is taken"
+    resume = msg.track_handoffs[1]
+    assert resume.cutoff == {"A": 101, "B": 201} and resume.since == {"A": 5, "B": 6}
+    assert resume.watermark == 900 and "a@ia" in msg.evicted
+
+
+def test_a_dead_receiver_of_a_parallel_track_is_resumed_from_the_cutoff() -> None:
+    view = _overlap()
+    b_dead = Liveness(live={"a": "ia", "c": "ic"}, dead=frozenset({"b"}), incarnations={"b": "ib"})
+    msg = step(view, b_dead)
+    assert msg is not None and msg.owners[1] == "c" and msg.tracks[1].target == "c"
+    assert msg.handoffs[1].mode is Mode.PARALLEL_TRACK and msg.handoffs[1].watermark == 900
+
+
+def test_a_parallel_track_waits_for_a_third_instance_rather_than_share_one() -> None:
+    view = _overlap()
+    only_a = Liveness(live={"a": "ia"}, dead=frozenset({"b", "c"}), incarnations={"b": "ib", "c": "ic"})
+    msg, said = plan_step(view, only_a, [], committed, earliest)
+    assert msg is not None and "b@ib" not in msg.evicted and msg.owners[1] == "b"
+    assert any("a parallel track needs two" in line for line in said)
+
+
+def view_step(view: ControlView) -> AssignmentMsg:
+    msg = step(view)
+    assert msg is not None
+    return msg
