@@ -99,7 +99,7 @@ def plan_step(
             else:
                 said.append(f"move {m.move_id}: pid {p} released by {m.source}, handed to {m.target}")
     for p, m in list(tracks.items()):
-        old_done, new_done = (f"{m.move_id}/{side}" in view.track_done for side in ("old", "new"))
+        old_done, new_done = (view.track_ended(m.move_id, side) for side in ("old", "new"))
         if old_done and new_done:
             del tracks[p]
             track_handoffs.pop(p, None)
@@ -126,7 +126,7 @@ def plan_step(
         load = {i: sum(1 for o in owners.values() if o == i) for i in survivors}
 
         def least_loaded(avoid: str = "") -> str:
-            target = min([i for i in survivors if i != avoid] or survivors, key=lambda i: (load[i], i))
+            target = min(survivors, key=lambda i: (i == avoid, load[i], i))
             load[target] += 1
             return target
 
@@ -145,7 +145,7 @@ def plan_step(
             for p in lost:
                 move = moving.pop(p, None)
                 track = tracks.get(p)
-                if track is not None and f"{track.move_id}/new" in view.track_done:
+                if track is not None and view.track_ended(track.move_id, "new"):
                     track = None  # the receiver's overlap was over: a plain replay rebuilds its window
                 target = least_loaded(track.source if track else "")
                 if track is not None:  # the overlap's new side: its tuples since the cutoff, re-read
@@ -355,8 +355,8 @@ class KafkaPidMover:
             if p in a.owners:
                 released = view.released.get(h.move_id)
                 moves.append(Move(p, released.instance if released else "?", a.owners[p], h.mode))
-        tracked = {m.pid for m in moves}
-        moves += [Move(p, m.source, m.target, m.mode) for p, m in a.tracks.items() if p not in tracked]
+        listed = {m.pid for m in moves}
+        moves += [Move(p, m.source, m.target, m.mode) for p, m in a.tracks.items() if p not in listed]
         return moves
 
     def ready_instances(self) -> set[str]:

@@ -109,10 +109,10 @@ def make_join_function(
             window = begin_old_track(window, allowed_lateness_ms)
             yield _frame(KIND_RELEASED, pid, 0, window.watermark, 0, [0, *zeros], 1)
         receiving = window.old_max is not None
-        silent = [
-            Part(ids[m], keys[m], ts[m]) for m in (stream_col == SILENT_ROW + j for j in range(streams))
-        ]
-        if any(len(part) for part in silent):  # as the dead instance processed them; its output stands
+        if (stream_col >= SILENT_ROW).any():  # as the dead instance processed them; its output stands
+            silent = [
+                Part(ids[m], keys[m], ts[m]) for m in (stream_col == SILENT_ROW + j for j in range(streams))
+            ]
             window = join_step(window, silent, window_ms, allowed_lateness_ms).state
 
         new = [Part(ids[m], keys[m], ts[m]) for m in (stream_col == j for j in range(streams))]

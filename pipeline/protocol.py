@@ -131,7 +131,12 @@ class TrackDoneMsg:
 
     @property
     def key(self) -> str:
-        return f"{self.move_id}/{self.side}"
+        return track_key(self.move_id, self.side)
+
+
+def track_key(move_id: str, side: str) -> str:
+    """How `ControlView.track_done` names one side's end of one parallel track."""
+    return f"{move_id}/{side}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -350,6 +355,9 @@ class ControlView:
         if isinstance(msg, TrackDoneMsg):
             return replace(self, track_done={**self.track_done, msg.key: msg})
         return replace(self, requests=(*self.requests, msg))
+
+    def track_ended(self, move_id: str, side: str) -> bool:
+        return track_key(move_id, side) in self.track_done
 
     def pending_requests(self) -> list[tuple[MoveRequestMsg, int]]:
         """(request, pid) pairs no assignment has started yet, in request order."""

@@ -51,6 +51,12 @@ RESULTS_PER_MESSAGE = 8_000  # keeps each results message well under Kafka's 1 M
 SNAPSHOT_CHUNK_BYTES = 900_000  # likewise for exported windows
 
 
+def _released_watermark(columns: dict[str, np.ndarray], kind: np.ndarray, pid: int) -> int:
+    """The watermark the operator's `released` row reports for `pid` (a release or an overlap's start)."""
+    closing = (kind == KIND_RELEASED) & (columns["pid"] == pid)
+    return int(columns["ts"][closing][0])
+
+
 class Fenced(RuntimeError):
     """This instance no longer owns a pid it processed: it was declared dead and must restart empty."""
 
@@ -169,10 +175,7 @@ class ExactlyOnceSink:
             if released["move_id"] is None:
                 continue
             snapshot = self._export(int(p), columns, kind) if released["export"] else None
-            watermark = None
-            if released.get("track"):
-                closing = (kind == KIND_RELEASED) & (columns["pid"] == int(p))
-                watermark = int(columns["ts"][closing][0])
+            watermark = _released_watermark(columns, kind, int(p)) if released.get("track") else None
             msg = ReleasedMsg(
                 instance=self.instance,
                 epoch=epoch,
@@ -203,7 +206,6 @@ class ExactlyOnceSink:
         """Write a released pid's window to the handoff topic in chunks; flush to learn their offsets
         (inside the transaction: readers see them only once it commits)."""
         rows = (kind == KIND_STATE) & (columns["pid"] == pid)
-        closing = (kind == KIND_RELEASED) & (columns["pid"] == pid)
         stream = columns["aux"][rows]
         parts = tuple(
             Part(
@@ -213,7 +215,7 @@ class ExactlyOnceSink:
             )
             for j in range(len(self.streams))
         )
-        blob = window_to_bytes(WindowState(parts, int(columns["ts"][closing][0])))
+        blob = window_to_bytes(WindowState(parts, _released_watermark(columns, kind, pid)))
         topic = self.cfg.handoff_topic
         self._delivered = {}
         for i, start in enumerate(range(0, max(1, len(blob)), SNAPSHOT_CHUNK_BYTES)):

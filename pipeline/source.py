@@ -282,14 +282,10 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         first = self.streams[0]
         before: dict[str, dict[str, Any]] = offset.get("tracking", {})
         tracking: dict[str, dict[str, Any]] = {}
-        held = set(owned.pids) | set(owned.old_tracks)
         markers: list[tuple[int, int, int, int]] = []
-        starting = {
-            p: m
-            for p, m in owned.releasing.items()
-            if m.mode is Mode.PARALLEL_TRACK and before.get(str(p), {}).get("role") != "old"
-        }
-        held |= {p for p, m in owned.releasing.items() if m.mode is Mode.PARALLEL_TRACK}
+        tracked_moves = {p: m for p, m in owned.releasing.items() if m.mode is Mode.PARALLEL_TRACK}
+        starting = {p: m for p, m in tracked_moves.items() if before.get(str(p), {}).get("role") != "old"}
+        held = set(owned.pids) | set(owned.old_tracks) | set(tracked_moves)
         keep: Offsets = {
             s: {p: o for p, o in current.get(s, {}).items() if int(p) in held} for s in self.streams
         }

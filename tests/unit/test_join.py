@@ -50,6 +50,24 @@ stream_tuples = st.lists(
 )
 
 
+def _run(state: WindowState, streams: list[list[Tuple3]], cuts: list[list[int]], window: int, lateness: int):
+    """Feed `streams` in batches cut at `cuts`; returns the final state, results and late ids."""
+    produced: list[tuple[int, ...]] = []
+    late: list[set[int]] = [set() for _ in streams]
+    batches = len(cuts[0]) + 1
+    for b in range(batches):
+        new = []
+        for j, s in enumerate(streams):
+            bounds = [0, *cuts[j], len(s)]
+            new.append(as_part(s[bounds[b] : bounds[b + 1]]))
+        out = join_step(state, new, window, lateness)
+        produced += result_set(out.results.ids)
+        for j, p in enumerate(out.late):
+            late[j] |= set(p.ids.tolist())
+        state = window_from_bytes(window_to_bytes(out.state))
+    return state, produced, late
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     m=st.integers(2, 3),
@@ -67,18 +85,9 @@ def test_incremental_join_equals_brute_force_when_nothing_is_late(
         sorted(data.draw(st.lists(st.integers(0, len(s)), min_size=batches - 1, max_size=batches - 1)))
         for s in streams
     ]
-    state = WindowState.empty(m)
-    produced: list[tuple[int, ...]] = []
-    for b in range(batches):
-        new = []
-        for j, s in enumerate(streams):
-            bounds = [0, *cuts[j], len(s)]
-            new.append(as_part(s[bounds[b] : bounds[b + 1]]))
-        # An allowed lateness that covers every possible disorder: nothing is late.
-        out = join_step(state, new, window, allowed_lateness_ms=100)
-        assert all(len(p) == 0 for p in out.late)
-        produced += result_set(out.results.ids)
-        state = window_from_bytes(window_to_bytes(out.state))
+    # An allowed lateness that covers every possible disorder: nothing is late.
+    _, produced, late = _run(WindowState.empty(m), streams, cuts, window, lateness=100)
+    assert all(not ids for ids in late)
     assert sorted(produced) == sorted(brute_force(streams, window))
     assert len(produced) == len(set(produced)), "a result was produced twice"
 
@@ -106,24 +115,6 @@ def test_purge_keeps_exactly_what_future_tuples_can_match() -> None:
     # watermark = 100 - 20 = 80; keep ts >= 80 - 30 = 50
     assert out.state.parts[0].ts.tolist() == [50, 100]
     assert NO_WATERMARK < out.state.watermark == 80
-
-
-def _run(state: WindowState, streams: list[list[Tuple3]], cuts: list[list[int]], window: int, lateness: int):
-    """Feed `streams` in batches cut at `cuts`; returns the final state, results and late ids."""
-    produced: list[tuple[int, ...]] = []
-    late: list[set[int]] = [set() for _ in streams]
-    batches = len(cuts[0]) + 1
-    for b in range(batches):
-        new = []
-        for j, s in enumerate(streams):
-            bounds = [0, *cuts[j], len(s)]
-            new.append(as_part(s[bounds[b] : bounds[b + 1]]))
-        out = join_step(state, new, window, lateness)
-        produced += result_set(out.results.ids)
-        for j, p in enumerate(out.late):
-            late[j] |= set(p.ids.tolist())
-        state = window_from_bytes(window_to_bytes(out.state))
-    return state, produced, late
 
 
 @settings(max_examples=300, deadline=None)
