@@ -51,25 +51,39 @@ class Message:
 
 
 def read_all(bootstrap: str, topic: str, partitions: int) -> list[Message]:
-    """Every message of `topic`, up to the high watermarks at call time."""
+    """Every message of `topic`: read up to the high watermarks, then again while they still move.
+
+    A fresh look at the watermarks after reaching them makes the read complete even if the first
+    look raced the broker's last acknowledged append.
+    """
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "unused", "enable.auto.commit": False})
-    try:
-        ends = {
+
+    def high_watermarks() -> dict[int, int]:
+        return {
             p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
             for p in range(partitions)
         }
-        consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions) if ends[p] > 0])
+
+    try:
+        consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
         out: list[Message] = []
+        positions = dict.fromkeys(range(partitions), 0)
         deadline = time.monotonic() + 60
-        while sum(ends.values()) > len(out):
-            assert time.monotonic() < deadline, f"timed out reading {topic}"
-            for msg in consumer.consume(1000, timeout=1.0):
-                assert msg.error() is None, msg.error()
-                partition, value = msg.partition(), msg.value()
-                assert partition is not None
-                assert value is not None
-                out.append(Message(partition, msg.key(), msg.timestamp()[1], value))
-        return out
+        ends = high_watermarks()
+        while True:
+            while any(positions[p] < ends[p] for p in ends):
+                assert time.monotonic() < deadline, f"timed out reading {topic}"
+                for msg in consumer.consume(1000, timeout=1.0):
+                    assert msg.error() is None, msg.error()
+                    partition, offset, value = msg.partition(), msg.offset(), msg.value()
+                    assert partition is not None and offset is not None
+                    assert value is not None
+                    positions[partition] = offset + 1
+                    out.append(Message(partition, msg.key(), msg.timestamp()[1], value))
+            latest = high_watermarks()
+            if latest == ends:
+                return out
+            ends = latest
     finally:
         consumer.close()
 
@@ -132,6 +146,7 @@ def test_real_time_and_max_rate_carry_the_same_tuples(kafka_bootstrap: str, topi
     mr = gen_config(f"{topic_prefix}-mr", "generator.mode=max_rate", *common)
     rt_stats, mr_stats = run_generator(rt, kafka_bootstrap), run_generator(mr, kafka_bootstrap)
     assert rt_stats["per_stream"] == mr_stats["per_stream"]
+    produced_b = rt_stats["per_stream"]["B"]
 
     def tuples(cfg: Config, start_ms: int) -> np.ndarray:
         rows = []
@@ -139,6 +154,7 @@ def test_real_time_and_max_rate_carry_the_same_tuples(kafka_bootstrap: str, topi
             b = decode_tuples(msg.value)
             rows.append(np.column_stack([b.ids, b.keys, b.event_times - start_ms, b.payload]))
         table = np.concatenate(rows)
+        assert len(table) == produced_b, f"{cfg.pipeline}: read {len(table)} of {produced_b} tuples"
         return table[np.argsort(table[:, 0])]
 
     np.testing.assert_array_equal(tuples(rt, rt_stats["start_ms"]), tuples(mr, mr_stats["start_ms"]))
