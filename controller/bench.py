@@ -523,6 +523,22 @@ def pause_of(records: list[dict[str, Any]], pid: int, after_ms: float) -> float:
     return round(max(gaps, default=0.0) / 1000, 2)
 
 
+def batch_interval_s(records: list[dict[str, Any]], start_ms: float, end_ms: float) -> float:
+    """The median gap between consecutive batches reading a pid, over all pids, in [start_ms, end_ms):
+    how often a pid's input is processed in steady state (the yardstick of a move's pause)."""
+    gaps = []
+    for pid in {int(p) for r in records for p in r["pids"]}:
+        times = [t for t, _ in _pid_batches(records, pid) if start_ms <= t < end_ms]
+        gaps += [b - a for a, b in pairwise(times)]
+    return round(statistics.median(gaps) / 1000, 2) if gaps else 0.0
+
+
+def to_target_s(records: list[dict[str, Any]], pid: int, target: str, after_ms: float) -> float | None:
+    """Seconds from `after_ms` (the move's request) to the target's first batch reading `pid`."""
+    first = [t for t, i in _pid_batches(records, pid) if i == target and t >= after_ms]
+    return round((first[0] - after_ms) / 1000, 2) if first else None
+
+
 def _acquired(log: Any, move_id: str) -> bool:
     return move_id in log.catch_up().acquired
 
@@ -557,17 +573,14 @@ def measure_move_cost(
                 raise RuntimeError(f"a process failed: {pipeline.failed()}")
 
     out: dict[str, Any] = {}
+    names = instance_names(2)
     try:
-        pipeline.start_controller(policy="static")
-        names = instance_names(2)
-        for name in names:
-            pipeline.start_instance(name)
-        pipeline.wait_running(names)
-        pipeline.start_generator()
+        start_warm(pipeline, follower, records, "static")
         collect_for(cfg.window_ms / 1000 + 15)  # fill the window
         steady_start = time.time() * 1000
         collect_for(steady_s)
         out["steady_p99_s"] = _p99(records, steady_start, time.time() * 1000)
+        out["steady_batch_interval_s"] = batch_interval_s(records, steady_start, time.time() * 1000)
         for pid, mode in ((0, Mode.TRANSFER), (1, Mode.REPLAY), (3, Mode.PARALLEL_TRACK)):
             started = time.time() * 1000
             move_id = request_moves(cfg, bootstrap, [pid], names[1], mode).move_id(pid)
@@ -575,6 +588,7 @@ def measure_move_cost(
             collect_for(steady_s)
             out[mode.value] = {
                 "pause_s": pause_of(records, pid, started),
+                "to_target_s": to_target_s(records, pid, names[1], started),
                 "others_p99_s": _p99(records, started, time.time() * 1000),
             }
             say(f"move-cost W={cfg.window_ms} ms {mode.value}: {out[mode.value]}")

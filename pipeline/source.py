@@ -230,12 +230,16 @@ class FluxjoinSource(DataSource):
 
 
 class FluxjoinStreamReader(DataSourceStreamReader):
-    """Offsets: `{"epoch", "offsets": {stream: {pid: next}}, "released": {pid: ...}, "acquired": {pid: ...}}`.
+    """Offsets: `{"epoch", "offsets": {stream: {pid: next}}, "released": {pid: ...}, "acquired": {pid: ...},
+    "from": {stream: {pid: first}}}`.
 
-    A batch that changes the epoch reads no input: it only releases pids (a marker row each, so the
-    operator exports or drops the window) and installs the windows of acquired pids; `released` and
-    `acquired` tell the sink which acknowledgements to commit with it. All of it is decided in
-    `latestOffset` and logged by Spark, so a restarted query replays the very same batch.
+    A batch that changes the epoch reads input like any other: a released pid up to its cutoff (then a
+    marker row, so the operator exports or drops the window after joining that input), an acquired pid
+    from its cutoff (its window installed first), every other pid as usual, so an epoch change costs no
+    pid a micro-batch. `from` holds where the pids entering in the batch begin (they are not in the
+    batch's start offset); `released` and `acquired` tell the sink which acknowledgements to commit with
+    it. All of it is decided in `latestOffset` and logged by Spark, so a restarted query replays the very
+    same batch.
     """
 
     def __init__(self, options: dict[str, str]) -> None:
@@ -393,22 +397,42 @@ class FluxjoinStreamReader(DataSourceStreamReader):
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         owned = read_assignment(self.assignment_path)
-        if owned.epoch != start["epoch"]:
-            return self._change_epoch(start, owned)
-        same = {"epoch": owned.epoch, "tracking": start.get("tracking", {})}
-        pids = sorted(int(p) for p in start["offsets"][self.streams[0]])
+        if owned.epoch == start["epoch"]:
+            end, next_pid = self._read_up_to(start["offsets"], limit, int(start.get("next_pid", 0)))
+            return {"epoch": owned.epoch, "tracking": start.get("tracking", {}), "offsets": end} | next_pid
+        plan = self._change_epoch(start, owned)
+        held: Offsets = plan["offsets"]
+        # Released pids with a move read on up to their cutoff in this batch, like every held pid.
+        read = start["offsets"].get(self.streams[0], {})
+        leaving = [
+            p for p, r in plan["released"].items() if r["move_id"] and not r.get("track") and p in read
+        ]
+        begin = {s: {**held[s], **{p: start["offsets"][s][p] for p in leaving}} for s in self.streams}
+        end, next_pid = self._read_up_to(begin, limit, int(start.get("next_pid", 0)))
+        for p in leaving:
+            plan["released"][p]["cutoff"] = {s: end[s][p] for s in self.streams}
+        plan["from"] = {
+            s: {p: o for p, o in held[s].items() if p not in start["offsets"].get(s, {})} for s in held
+        }
+        plan["offsets"] = {s: {p: end[s][p] for p in held[s]} for s in self.streams}
+        return plan | next_pid
+
+    def _read_up_to(self, begin: Offsets, limit: ReadLimit, first_pid: int) -> tuple[Offsets, dict[str, int]]:
+        """End offsets of a batch starting at `begin`: every pid's latest offsets, or whole pids round
+        robin from `first_pid` when the backlog exceeds the read limit (then also `{"next_pid": ...}`)."""
+        pids = sorted(int(p) for p in begin[self.streams[0]])
         if not pids:
-            return same | {"offsets": start["offsets"]}
+            return begin, {}
         latest = self._watermarks(pids, "latest")
         if isinstance(limit, ReadAllAvailable):
-            return same | {"offsets": latest}
+            return latest, {}
         rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.max_rows
-        backlog = sum(latest[s][p] - start["offsets"][s][p] for s in latest for p in latest[s])
-        cap = max(1, int(rows / self._tuples_per_message(start["offsets"], latest)))
+        backlog = sum(latest[s][p] - begin[s][p] for s in latest for p in latest[s])
+        cap = max(1, int(rows / self._tuples_per_message(begin, latest)))
         if backlog <= cap:
-            return same | {"offsets": latest}
-        cut, next_pid = whole_pids_within(start["offsets"], latest, cap, int(start.get("next_pid", 0)))
-        return same | {"offsets": cut, "next_pid": next_pid}
+            return latest, {}
+        cut, next_pid = whole_pids_within(begin, latest, cap, first_pid)
+        return cut, {"next_pid": next_pid}
 
     def _tuples_per_message(self, start: Offsets, latest: Offsets, samples: int = 4) -> float:
         """Tuples per message, from the middle message of the backlogs of the partitions with the largest
@@ -456,12 +480,18 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return ReadMaxRows(self.max_rows)
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        begin = {s: {**start["offsets"].get(s, {}), **end.get("from", {}).get(s, {})} for s in self.streams}
         ranges = [
-            PidRange(i, self.topics[i], int(p), start["offsets"].get(s, {})[p], e)
+            PidRange(i, self.topics[i], int(p), begin[s][p], e)
             for i, s in enumerate(self.streams)
             for p, e in end["offsets"].get(s, {}).items()
-            if p in start["offsets"].get(s, {})
+            if p in begin[s]
         ]
+        for p, r in end.get("released", {}).items():  # read up to the cutoff, then let go
+            if r.get("track") or not r["move_id"] or p not in start["offsets"].get(self.streams[0], {}):
+                continue
+            for i, s in enumerate(self.streams):
+                ranges.append(PidRange(i, self.topics[i], int(p), start["offsets"][s][p], r["cutoff"][s]))
         tasks = [KafkaPidPartition(t, self.partition_count) for t in plan_partitions(ranges, self.tasks)]
         releases = tuple(  # a parallel track's sender keeps the window (its old tuples)
             (int(p), bool(r["export"])) for p, r in end.get("released", {}).items() if not r.get("track")
