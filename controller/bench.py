@@ -575,7 +575,9 @@ def measure_move_cost(
     out: dict[str, Any] = {}
     names = instance_names(2)
     try:
-        start_warm(pipeline, follower, records, "static")
+        warm_up: list[dict[str, Any]] = []
+        start_warm(pipeline, follower, warm_up, "static")
+        records.extend(r for r in warm_up if r.get("kind") == "batch")
         collect_for(cfg.window_ms / 1000 + 15)  # fill the window
         steady_start = time.time() * 1000
         collect_for(steady_s)
