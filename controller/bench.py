@@ -539,6 +539,13 @@ def to_target_s(records: list[dict[str, Any]], pid: int, target: str, after_ms: 
     return round((first[0] - after_ms) / 1000, 2) if first else None
 
 
+def busy_per_s(records: list[dict[str, Any]], start_ms: float, end_ms: float) -> float:
+    """Seconds of micro-batch work per second of wall time, summed over the instances, in
+    [start_ms, end_ms): the CPU a step costs, compared with the same figure in steady state."""
+    work = sum(r["duration_s"] for r in records if start_ms <= r["time_ms"] < end_ms)
+    return round(work / max((end_ms - start_ms) / 1000, 1e-3), 3)
+
+
 def _acquired(log: Any, move_id: str) -> bool:
     return move_id in log.catch_up().acquired
 
@@ -581,8 +588,10 @@ def measure_move_cost(
         collect_for(cfg.window_ms / 1000 + 15)  # fill the window
         steady_start = time.time() * 1000
         collect_for(steady_s)
-        out["steady_p99_s"] = _p99(records, steady_start, time.time() * 1000)
-        out["steady_batch_interval_s"] = batch_interval_s(records, steady_start, time.time() * 1000)
+        steady_end = time.time() * 1000
+        out["steady_p99_s"] = _p99(records, steady_start, steady_end)
+        out["steady_batch_interval_s"] = batch_interval_s(records, steady_start, steady_end)
+        out["steady_busy_per_s"] = busy_per_s(records, steady_start, steady_end)
         for pid, mode in ((0, Mode.TRANSFER), (1, Mode.REPLAY), (3, Mode.PARALLEL_TRACK)):
             started = time.time() * 1000
             move_id = request_moves(cfg, bootstrap, [pid], names[1], mode).move_id(pid)
@@ -592,6 +601,7 @@ def measure_move_cost(
                 "pause_s": pause_of(records, pid, started),
                 "to_target_s": to_target_s(records, pid, names[1], started),
                 "others_p99_s": _p99(records, started, time.time() * 1000),
+                "busy_per_s": busy_per_s(records, started, time.time() * 1000),
             }
             say(f"move-cost W={cfg.window_ms} ms {mode.value}: {out[mode.value]}")
         started = time.time() * 1000

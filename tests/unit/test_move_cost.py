@@ -1,0 +1,37 @@
+"""The move-cost benchmark's arithmetic: a moved pid's pause, the yardstick, time to the target, CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controller.bench import batch_interval_s, busy_per_s, pause_of, to_target_s
+
+
+def _batch(instance: str, at_s: float, reads: dict[int, int], duration_s: float = 0.5) -> dict[str, Any]:
+    pids = {str(p): {"in": n, "state_bytes": 0, "window_tuples": 0} for p, n in reads.items()}
+    return {"instance": instance, "time_ms": 1000 * at_s, "duration_s": duration_s, "pids": pids}
+
+
+# pid 0 moves from a to b: a reads it every second up to 10 s, b from 12.5 s on; pid 1 stays on a.
+RECORDS = [_batch("a", t, {0: 5, 1: 5}) for t in range(1, 11)]
+RECORDS += [_batch("a", 11, {0: 0, 1: 5}), _batch("b", 12.5, {0: 9}), _batch("b", 13.5, {0: 5})]
+RECORDS += [_batch("a", t, {1: 5}) for t in (12, 13, 14)]
+
+
+def test_the_pause_is_the_longest_gap_between_batches_reading_the_pid_on_either_instance() -> None:
+    assert pause_of(RECORDS, 0, after_ms=9_000) == 2.5  # 10 s on a -> 12.5 s on b
+    assert pause_of(RECORDS, 1, after_ms=9_000) == 1.0
+
+
+def test_the_yardstick_is_the_median_gap_of_every_pid_in_the_spell() -> None:
+    assert batch_interval_s(RECORDS, 0, 10_500) == 1.0
+    assert batch_interval_s(RECORDS, 20_000, 30_000) == 0.0  # nothing read: no yardstick
+
+
+def test_time_to_target_counts_from_the_request_to_the_targets_first_batch_with_the_pid() -> None:
+    assert to_target_s(RECORDS, 0, "b", after_ms=9_500) == 3.0
+    assert to_target_s(RECORDS, 1, "b", after_ms=9_500) is None  # never moved
+
+
+def test_busy_per_second_sums_batch_work_over_instances() -> None:
+    assert busy_per_s(RECORDS, 12_000, 14_000) == 1.0  # four half-second batches in two seconds
