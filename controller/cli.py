@@ -103,12 +103,14 @@ def kafka_status() -> None:
 
 @app.command()
 def generate(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOpt = None) -> None:
-    """Produce Poisson streams to the input topics (keyed and partitioned by pid)."""
+    """Produce Poisson streams to the input topics (keyed and partitioned by pid).
+
+    SIGINT or SIGTERM ends the run early and cleanly: what was produced is flushed and acknowledged."""
     from generator.producer import run_generator
 
     cfg = _config(config, set_, bootstrap)
     try:
-        stats = run_generator(cfg, _bootstrap(cfg), progress=True)
+        stats = run_generator(cfg, _bootstrap(cfg), progress=True, stop=_stop_on_signals())
     except _user_errors() as exc:
         fail(str(exc))
     print(json.dumps(stats))
@@ -496,7 +498,7 @@ def bench_soak(
     cfg = _config(config, set_, bootstrap)
     say = _progress(json_)
     name, work = new_run(cfg, "soak")
-    soak_cfg = soak_config(cfg, name, seconds=max(120.0, 5.0 * moves))
+    soak_cfg = soak_config(cfg, name, seconds=max(600.0, 30.0 * moves))
     try:
         with kafka_runtime.broker_unless(cfg.bootstrap) as address:
             report, done = run_soak(soak_cfg, address, work, SoakPlan(moves=moves, seed=seed), say)

@@ -73,6 +73,14 @@ class LocalPipeline:
     def start_generator(self) -> None:
         self._spawn("generator", ["generate"])
 
+    def end_input(self, timeout_s: float = 120) -> None:
+        """Stop the generator early and cleanly (SIGTERM: it flushes what it produced, then exits 0)."""
+        proc = self.procs["generator"]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        if proc.wait(timeout_s) != 0:
+            raise RuntimeError(f"the generator failed:\n{self.log_tail('generator')}")
+
     def start_controller(
         self,
         policy: str = "flux",

@@ -38,7 +38,8 @@ class SoakPlan:
 
 
 def soak_config(base: Config, pipeline: str, seconds: float) -> Config:
-    """A small 2-way pipeline (P = 8, 3 instances) that keeps input flowing for `seconds`."""
+    """A small 2-way pipeline (P = 8, 3 instances) with input for at most `seconds` (the soak ends the
+    input once its moves are done; a parallel track ends only while input flows)."""
     return base.with_overrides(
         pipeline=pipeline,
         streams=["A", "B"],
@@ -131,6 +132,12 @@ def run_soak(
             chosen = rng.sample(idle, min(plan.pids_per_round, len(idle)))
             pids = [p for p in chosen if owners[p] != target]
             if not pids:
+                if not idle and pipeline.procs["generator"].poll() is not None:
+                    raise RuntimeError(
+                        f"the input ended after {done['moves']} moves; every pid is in a parallel track,"
+                        " which ends only with input: give the soak more input seconds"
+                    )
+                time.sleep(0.2)  # every pid busy or already on the target: try again shortly
                 continue
             mode = modes[round_no % len(modes)]
             request = request_moves(cfg, bootstrap, pids, target, mode)
@@ -153,10 +160,8 @@ def run_soak(
                 pipeline.start_instance(victim)
                 watch.until(_rejoined(victim), 120, f"{victim} rejoining")
                 say(f"soak: {victim} killed, its pids recovered, rejoined empty")
-        say("soak: waiting for the input to end and drain")
-        generator = pipeline.procs["generator"]
-        if generator.wait((cfg.generator.duration_s or 0) + 600) != 0:
-            raise RuntimeError(f"the generator failed:\n{pipeline.log_tail('generator')}")
+        say("soak: moves done; ending the input, waiting for the pipeline to drain")
+        pipeline.end_input()
         wait_drained(pipeline, timeout_s=600)
     finally:
         watch.log.close()

@@ -15,7 +15,7 @@ from pipeline.config import load_config
 
 def test_random_moves_and_kills_stay_exact(kafka_bootstrap: str, topic_prefix: str, tmp_path: Path) -> None:
     plan = SoakPlan(moves=20, pids_per_round=3, kill_controller_every=3, kill_instance_every=4)
-    cfg = soak_config(load_config(), topic_prefix, seconds=150)
+    cfg = soak_config(load_config(), topic_prefix, seconds=600)
     report, done = run_soak(cfg, kafka_bootstrap, tmp_path, plan)
     assert done["moves"] >= 20
     assert done["controller_kills"] >= 2 and done["instance_kills"] >= 1
