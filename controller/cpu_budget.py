@@ -9,6 +9,7 @@ and v1 (`cpu.cfs_quota_us`); needs write access to the cgroup tree (root, or a d
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ class CpuBudgetError(RuntimeError):
     """The cgroup for a CPU budget cannot be made; the message says why and what to do."""
 
 
-def _group_dir(name: str) -> tuple[Path, bool]:
+def group_dir(name: str) -> tuple[Path, bool]:
     """(directory of the group, whether it is cgroup v2)."""
     if (CGROUP_ROOT / "cgroup.controllers").exists():
         return CGROUP_ROOT / "fluxjoin" / name, True
@@ -34,7 +35,7 @@ def make_group(name: str, cores: float) -> Path:
     """Create (or update) the cgroup `fluxjoin/<name>` limited to `cores` CPUs; return its directory."""
     if cores <= 0:
         raise CpuBudgetError(f"a CPU budget must be > 0 cores, got {cores}")
-    group, v2 = _group_dir(name)
+    group, v2 = group_dir(name)
     quota = max(1000, int(cores * PERIOD_US))
     try:
         if v2:
@@ -54,6 +55,14 @@ def make_group(name: str, cores: float) -> Path:
             "(instance.cpu_limit=null)"
         ) from None
     return group
+
+
+def remove_group(name: str) -> None:
+    """Remove the cgroup `fluxjoin/<name>` once its processes have exited; a group that is gone, or
+    still holds a process, is left as it is."""
+    group, _ = group_dir(name)
+    with contextlib.suppress(OSError):
+        group.rmdir()
 
 
 def budget_hook(name: str, cores: float) -> Callable[[], None]:

@@ -38,6 +38,8 @@ class LocalPipeline:
     work: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, IO[bytes]] = field(default_factory=dict)
+    budgeted: set[str] = field(default_factory=set)
+    """Names of the processes started in a cgroup of their own, removed in stop()."""
 
     def __post_init__(self) -> None:
         from pipeline.topics import ensure_topics
@@ -53,7 +55,10 @@ class LocalPipeline:
 
         log = open(self.work / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         env = os.environ | {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
-        hook = budget_hook(f"{self.cfg.pipeline}-{name}", cpu_limit) if cpu_limit else None
+        hook = None
+        if cpu_limit:
+            hook = budget_hook(f"{self.cfg.pipeline}-{name}", cpu_limit)
+            self.budgeted.add(name)
         proc = subprocess.Popen(
             [sys.executable, "-m", "controller", *args, "--config", str(self.config_path)],
             stdout=log,
@@ -108,8 +113,8 @@ class LocalPipeline:
         deadline = time.monotonic() + timeout_s
         for name in names:
             while ": running" not in (self.work / f"{name}.log").read_text(errors="replace"):
-                if name in self.failed():
-                    raise RuntimeError(f"{name} exited with {self.failed()[name]}:\n{self.log_tail(name)}")
+                for failed, code in self.failed().items():  # e.g. a controller refusing its options
+                    raise RuntimeError(f"{failed} exited with {code}:\n{self.log_tail(failed)}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} did not start its query within {timeout_s:.0f} s")
                 time.sleep(0.5)
@@ -138,6 +143,10 @@ class LocalPipeline:
                 proc.wait()
         for log in self.logs.values():
             log.close()
+        from controller.cpu_budget import remove_group
+
+        for name in self.budgeted:
+            remove_group(f"{self.cfg.pipeline}-{name}")
 
 
 def committed_offsets(cfg: Config, bootstrap: str) -> dict[tuple[str, int], int]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from controller.assignment import Assignment, Move
 from controller.policies.base import InstanceStats, Snapshot
-from controller.rounds import snapshot_of
+from controller.rounds import busy_fraction, snapshot_of
 from pipeline.config import Config
 from pipeline.control import ControlLog, publish
 from pipeline.protocol import (
@@ -364,19 +364,23 @@ class KafkaPidMover:
         return set(self.observer.liveness().live)
 
     def instance_stats(self, window_s: float = 10.0) -> Mapping[str, InstanceStats]:
-        """Busy fraction over the last `window_s` seconds and the state held, per reporting instance."""
+        """Busy fraction of the batches that ended in the last `window_s` seconds (else of the latest
+        batch) and the state held, per reporting instance."""
         since = time.time() * 1000 - window_s * 1000
-        busy: dict[str, float] = {}
-        state: dict[str, int] = {}
+        recent: dict[str, list[dict[str, Any]]] = {}
+        latest: dict[str, dict[str, Any]] = {}
         for b in self.observer.batches:
-            state[b["instance"]] = sum(p["state_bytes"] for p in b["pids"].values())
+            latest[b["instance"]] = b
+            recent.setdefault(b["instance"], [])
             if b["time_ms"] >= since:
-                busy[b["instance"]] = busy.get(b["instance"], 0.0) + b["duration_s"]
+                recent[b["instance"]].append(b)
         return {
             i: InstanceStats(
-                instance=i, busy_fraction=min(1.0, busy.get(i, 0.0) / window_s), state_bytes=state[i]
+                instance=i,
+                busy_fraction=busy_fraction(recent[i] or [b]),
+                state_bytes=sum(p["state_bytes"] for p in b["pids"].values()),
             )
-            for i in sorted(state)
+            for i, b in sorted(latest.items())
         }
 
     def snapshot(self, interval_s: float, now_s: float, last_adaptation_s: float | None) -> Snapshot | None:

@@ -43,6 +43,20 @@ def policy_params(name: str, mode: HandoffMode, **overrides: Any) -> Any:
     return replace(params, **overrides)
 
 
+def busy_fraction(batches: Sequence[dict[str, Any]]) -> float:
+    """The share of the time these batches cover that the instance spent inside them.
+
+    A batch record's period runs from the end of the instance's previous batch to its own end (its
+    `busy` is duration / period), so durations over periods measure utilization whatever the
+    collection interval. A plain sum of durations over a window shorter than a batch reads 0 or more
+    than 1 depending on whether a batch happened to end inside it, and micro-batches of a loaded
+    instance last seconds.
+    """
+    busy = sum(b["duration_s"] for b in batches)
+    period = sum(b["duration_s"] / b["busy"] for b in batches if b["busy"] > 0)
+    return min(1.0, busy / period) if period > 0 else 0.0
+
+
 def snapshot_of(
     batches: list[dict[str, Any]],
     live: list[str],
@@ -53,27 +67,35 @@ def snapshot_of(
     now_s: float,
     last_adaptation_s: float | None,
 ) -> Snapshot:
-    """Statistics of the last `interval_s` seconds (by batch end time) of the instances' batch records."""
+    """Statistics of the instances' batch records that ended in the last `interval_s` seconds.
+
+    An instance with no batch ending in the interval is described by its latest batch: it is inside a
+    batch longer than the interval (a loaded instance), and reading it as idle would send it more work.
+    """
     since = now_ms - interval_s * 1000
-    busy: dict[str, float] = dict.fromkeys(live, 0.0)
+    recent: dict[str, list[dict[str, Any]]] = {i: [] for i in live}
+    latest: dict[str, dict[str, Any]] = {}
     state: dict[str, dict[int, int]] = {i: {} for i in live}
-    tuples: dict[int, int] = {}
     for b in batches:
         name = b["instance"]
-        if name not in busy:
+        if name not in recent:
             continue
         for p, s in b["pids"].items():
             state[name][int(p)] = s["state_bytes"]  # newest record wins
-        if b["time_ms"] < since:
-            continue
-        busy[name] += b["duration_s"]
-        for p, s in b["pids"].items():
-            tuples[int(p)] = tuples.get(int(p), 0) + s["in"]
-    owned = {p: o for p, o in assignment.owners.items() if o in busy}
+        latest[name] = b
+        if b["time_ms"] >= since:
+            recent[name].append(b)
+    described = {i: recent[i] or ([latest[i]] if i in latest else []) for i in live}
+    tuples: dict[int, int] = {}
+    for own in described.values():
+        for b in own:
+            for p, s in b["pids"].items():
+                tuples[int(p)] = tuples.get(int(p), 0) + s["in"]
+    owned = {p: o for p, o in assignment.owners.items() if o in recent}
     instances = tuple(
         InstanceStats(
             instance=i,
-            busy_fraction=min(1.0, busy[i] / interval_s),
+            busy_fraction=busy_fraction(described[i]),
             state_bytes=sum(v for p, v in state[i].items() if owned.get(p) == i),
         )
         for i in sorted(live)

@@ -81,8 +81,8 @@ class KeySampler:
                 self._step = max(1, self.count // 2)
 
     def _init_hot_pids(self, dist: HotPidsKeys, structure: np.random.Generator, partitions: int) -> None:
-        """Keys grouped by pid, and the pids in a seeded order: epoch e's hot set is the next hot_n of
-        that order, round the circle, so consecutive hot sets are disjoint when P allows it."""
+        """Keys grouped by pid, and the pids in the layout's order: epoch e's hot set is the next hot_n
+        of that order, round the circle, so consecutive hot sets are disjoint when P allows it."""
         all_keys = np.arange(self.count, dtype=np.int64)
         pids = pids_of(all_keys, partitions)
         order = np.argsort(pids, kind="stable")
@@ -94,7 +94,8 @@ class KeySampler:
             )
         self._pid_sizes = sizes.astype(np.int64)
         self._pid_starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-        self._perm = structure.permutation(partitions).astype(np.int64)
+        order = np.arange(partitions) if dist.layout == "contiguous" else structure.permutation(partitions)
+        self._perm = order.astype(np.int64)
         self._hot_n = min(max(1, round(dist.hot_fraction * partitions)), partitions - 1)
 
     def _sample_hot_pids(self, u: npt.NDArray[np.float64], t_s: npt.NDArray[np.float64]) -> I64:

@@ -103,13 +103,19 @@ class HotSetKeys(_Strict):
 class HotPidsKeys(_Strict):
     """`hot_share` of tuples fall on a hot set of `hot_fraction` of the pids, keys uniform within a pid:
     the Flux paper's 80/20 skew over partitions, which key-level skew over many keys does not give (hot
-    keys spread evenly over pids). The hot pids change every `move_every_s` seconds."""
+    keys spread evenly over pids). The hot pids change every `move_every_s` seconds.
+
+    `layout` says where the hot pids lie: `scattered` (a seeded order of the pids, so the hot set falls
+    on every instance about evenly), or `contiguous` (the next run of neighbouring pids, from pid 0 on),
+    which under the initial layout of contiguous pid ranges puts the hot set on one or two instances:
+    skew that loads instances unevenly, as Flux's experiments with a loaded machine do."""
 
     kind: Literal["hot_pids"] = "hot_pids"
     count: int = Field(100_000, ge=1)
     hot_fraction: float = Field(0.2, gt=0, lt=1)
     hot_share: float = Field(0.8, ge=0, le=1)
     move_every_s: float = Field(30.0, gt=0)
+    layout: Literal["scattered", "contiguous"] = "scattered"
 
 
 KeyDistribution = Annotated[

@@ -159,6 +159,19 @@ def test_hot_pids_put_the_share_on_the_hot_pids_and_move_them() -> None:
     assert len(np.unique(keys[pids == early[0]])) > 500, "keys spread within a hot pid"
 
 
+def test_contiguous_hot_pids_are_runs_of_neighbouring_pids() -> None:
+    """Under the initial layout of contiguous ranges, a run of pids loads one or two instances."""
+    from pipeline.config import HotPidsKeys
+    from pipeline.partitioning import pids_of
+
+    dist = HotPidsKeys(count=20_000, hot_fraction=0.25, hot_share=0.8, move_every_s=10.0, layout="contiguous")
+    sampler = KeySampler(dist, seed=3, stream=0, partitions=16)
+    assert list(sampler.hot_pids(1.0)) == [0, 1, 2, 3]
+    assert list(sampler.hot_pids(11.0)) == [4, 5, 6, 7]
+    pids = pids_of(sampler.sample(100_000, 11.0), 16)
+    assert np.isin(pids, [4, 5, 6, 7]).mean() == pytest.approx(0.8, abs=0.01)
+
+
 def test_hot_pids_draw_the_same_keys_in_any_chunking() -> None:
     from pipeline.config import HotPidsKeys
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from controller.assignment import Assignment, HandoffMode, Move
 from controller.policies import InstanceStats, PidStats, Snapshot
-from controller.rounds import FIRST_ROUND_DELAY_S, PolicyRounds, policy_params
+from controller.rounds import FIRST_ROUND_DELAY_S, PolicyRounds, busy_fraction, policy_params, snapshot_of
 
 ASSIGNMENT = Assignment(epoch=0, owners={0: "a", 1: "a", 2: "b", 3: "b"})
 
@@ -98,3 +99,34 @@ def test_static_never_moves_and_no_assignment_means_no_round() -> None:
     assert decision is not None and not decision.moves
     waiting = PolicyRounds.begin("memory", policy_params("memory", HandoffMode.TRANSFER), now_s=0.0)
     assert waiting.tick(Mover(assignment=None), now_s=10.0) is None
+
+
+def _batch(
+    instance: str, end_s: float, duration_s: float, period_s: float, pids: dict[int, int]
+) -> dict[str, Any]:
+    return {
+        "instance": instance,
+        "time_ms": end_s * 1000,
+        "duration_s": duration_s,
+        "busy": min(1.0, duration_s / period_s),
+        "pids": {str(p): {"in": n, "state_bytes": 10 * n} for p, n in pids.items()},
+    }
+
+
+def test_busy_fraction_is_batch_time_over_the_periods_the_batches_cover() -> None:
+    batches = [_batch("a", 2, 1.0, 2.0, {}), _batch("a", 5, 2.0, 3.0, {})]
+    assert busy_fraction(batches) == 3.0 / 5.0
+    assert busy_fraction([]) == 0.0
+
+
+def test_a_window_shorter_than_a_batch_reads_the_latest_batch_not_idle() -> None:
+    """`b`'s 4 s batches overrun a 1 s window: no batch of b ends in it, yet b is the busy one."""
+    batches = [
+        _batch("a", 9.5, 0.2, 1.0, {0: 5, 1: 5}),
+        _batch("a", 10.0, 0.2, 1.0, {0: 5, 1: 5}),
+        _batch("b", 8.0, 4.0, 4.0, {2: 400, 3: 10}),
+    ]
+    snap = snapshot_of(batches, ["a", "b"], ASSIGNMENT, frozenset(), 10_000, 1.0, 10.0, None)
+    busy = {i.instance: i.busy_fraction for i in snap.instances}
+    assert busy == {"a": 0.2, "b": 1.0}
+    assert {p: s.tuples for p, s in snap.pids.items()} == {0: 10, 1: 10, 2: 400, 3: 10}
