@@ -670,18 +670,22 @@ BUCKET_S = 5.0
 
 
 def imbalance_series(records: list[dict[str, Any]], instances: list[str], start_ms: float) -> list[float]:
-    """Per `BUCKET_S` bucket since `start_ms`: busiest over idlest instance's busy fraction (idlest
-    floored at 0.01, so an idle instance reads as a large, finite imbalance; all idle is balanced, 1)."""
-    buckets: dict[int, dict[str, float]] = {}
+    """Per `BUCKET_S` bucket since `start_ms`: busiest over idlest instance's busy fraction, the policy's
+    own measure (`controller.rounds.busy_fraction`) over the batches ending in the bucket. An instance
+    with none keeps its last figure (it is inside a longer batch); before its first batch it reads 0.
+    The idlest is floored at 0.01, so an idle instance reads as a large, finite imbalance."""
+    from controller.rounds import busy_fraction
+
+    buckets: dict[int, dict[str, list[dict[str, Any]]]] = {}
     for r in records:
         if r.get("kind") == "batch" and r["time_ms"] >= start_ms and r["instance"] in instances:
-            b = buckets.setdefault(
-                int((r["time_ms"] - start_ms) / 1000 / BUCKET_S), dict.fromkeys(instances, 0.0)
-            )
-            b[r["instance"]] += r["duration_s"] / BUCKET_S
+            index = int((r["time_ms"] - start_ms) / 1000 / BUCKET_S)
+            buckets.setdefault(index, {}).setdefault(r["instance"], []).append(r)
+    busy = dict.fromkeys(instances, 0.0)
     series = []
     for index in range(max(buckets, default=-1) + 1):
-        busy = buckets.get(index, dict.fromkeys(instances, 0.0))
+        for name, batches in buckets.get(index, {}).items():
+            busy[name] = busy_fraction(batches)
         high, low = max(busy.values()), min(busy.values())
         series.append(round(high / max(0.01, low), 2) if high > 0 else 1.0)
     return series

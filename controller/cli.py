@@ -411,9 +411,7 @@ def bench_skew(
     set_: SetOpt = None,
     bootstrap: BootstrapOpt = None,
     json_: JsonOpt = False,
-    rates: Annotated[
-        str, typer.Option(help="Input rates to try, tuples/s in total.")
-    ] = "2000,4000,8000,16000",
+    rates: Annotated[str, typer.Option(help="Input rates to try, tuples/s in total.")] = "6000,9000,12000",
     seconds: Annotated[float, typer.Option(help="Seconds of input per point.")] = 90,
     instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
     cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.45,
