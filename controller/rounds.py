@@ -9,6 +9,7 @@ in flight (Flux's move phase) simply ends when they have completed.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -52,9 +53,39 @@ def busy_fraction(batches: Sequence[dict[str, Any]]) -> float:
     than 1 depending on whether a batch happened to end inside it, and micro-batches of a loaded
     instance last seconds.
     """
-    busy = sum(b["duration_s"] for b in batches)
-    period = sum(b["duration_s"] / b["busy"] for b in batches if b["busy"] > 0)
-    return min(1.0, busy / period) if period > 0 else 0.0
+    period = _period_s(batches)
+    return min(1.0, sum(b["duration_s"] for b in batches) / period) if period > 0 else 0.0
+
+
+def _period_s(batches: Sequence[dict[str, Any]]) -> float:
+    return sum(b["duration_s"] / b["busy"] for b in batches if b["busy"] > 0)
+
+
+MIN_FIT_BATCHES = 5
+"""Fewest batches a fixed-cost estimate is fitted on; with fewer the cost is unknown (0)."""
+
+
+def fixed_cost_s(batches: Sequence[dict[str, Any]]) -> float:
+    """Seconds one of the instance's batches costs whatever its input: the intercept of a least-squares
+    line of batch duration against tuples read, kept within [0, the shortest batch] (a line that says
+    more input costs less is noise, and no batch costs less than its fixed part). 0, unknown, with
+    fewer than MIN_FIT_BATCHES batches or tuple counts all alike."""
+    if len(batches) < MIN_FIT_BATCHES:
+        return 0.0
+    durations = [float(b["duration_s"]) for b in batches]
+    try:
+        _, intercept = statistics.linear_regression([float(b["tuples_in"]) for b in batches], durations)
+    except statistics.StatisticsError:
+        return 0.0
+    return min(max(intercept, 0.0), min(durations))
+
+
+def fixed_busy(described: Sequence[dict[str, Any]], history: Sequence[dict[str, Any]]) -> float:
+    """The part of busy_fraction(described) that is fixed per-batch cost, fitted on `history`."""
+    period = _period_s(described)
+    if period <= 0:
+        return 0.0
+    return min(busy_fraction(described), fixed_cost_s(history) * len(described) / period)
 
 
 def snapshot_of(
@@ -71,9 +102,11 @@ def snapshot_of(
 
     An instance with no batch ending in the interval is described by its latest batch: it is inside a
     batch longer than the interval (a loaded instance), and reading it as idle would send it more work.
+    The fixed cost of its batches is fitted on all its records at hand (the observer keeps two minutes).
     """
     since = now_ms - interval_s * 1000
     recent: dict[str, list[dict[str, Any]]] = {i: [] for i in live}
+    history: dict[str, list[dict[str, Any]]] = {i: [] for i in live}
     latest: dict[str, dict[str, Any]] = {}
     state: dict[str, dict[int, int]] = {i: {} for i in live}
     for b in batches:
@@ -83,6 +116,7 @@ def snapshot_of(
         for p, s in b["pids"].items():
             state[name][int(p)] = s["state_bytes"]  # newest record wins
         latest[name] = b
+        history[name].append(b)
         if b["time_ms"] >= since:
             recent[name].append(b)
     described = {i: recent[i] or ([latest[i]] if i in latest else []) for i in live}
@@ -96,6 +130,7 @@ def snapshot_of(
         InstanceStats(
             instance=i,
             busy_fraction=busy_fraction(described[i]),
+            fixed_busy=fixed_busy(described[i], history[i]),
             state_bytes=sum(v for p, v in state[i].items() if owned.get(p) == i),
         )
         for i in sorted(live)

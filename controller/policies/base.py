@@ -26,18 +26,24 @@ class InstanceStats:
     """One live join instance over the last collection interval.
 
     busy_fraction is Flux's U_j = 1 - I_j / delta, already computed by the observer (0 = idle all the
-    interval, 1 = never idle). state_bytes is M_j, the memory its windows hold now; memory_limit_bytes is
-    what it may hold (0 when unknown).
+    interval, 1 = never idle). fixed_busy is the part of it a micro-batch costs whatever its input (0 when
+    unknown, the paper's model where all of U scales with the tuples). state_bytes is M_j, the memory
+    its windows hold now; memory_limit_bytes is what it may hold (0 when unknown).
     """
 
     instance: str
     busy_fraction: float
     state_bytes: int
     memory_limit_bytes: int = 0
+    fixed_busy: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.busy_fraction <= 1.0 or math.isnan(self.busy_fraction):
             raise ValueError(f"{self.instance}: busy_fraction must be in [0, 1], got {self.busy_fraction}")
+        if not 0.0 <= self.fixed_busy <= self.busy_fraction:
+            raise ValueError(
+                f"{self.instance}: fixed_busy must be in [0, busy_fraction], got {self.fixed_busy}"
+            )
         if self.state_bytes < 0 or self.memory_limit_bytes < 0:
             raise ValueError(f"{self.instance}: byte counts must be >= 0")
 

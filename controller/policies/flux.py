@@ -26,6 +26,10 @@ Where the text is not precise, this module chooses as follows:
   Because the pairs are sorted, the three tests are monotone along them (later donors are less utilized,
   later receivers more), so after the first failure no later pair could pass anyway.
 - A pid refused because U_r' > 1 is skipped and the walk goes on: a smaller pid may still fit.
+- The estimates scale only the part of U that grows with the tuples. A micro-batch costs a fixed
+  amount whatever its input (`InstanceStats.fixed_busy`, estimated by the observer, decision 0010); the
+  paper's operator has no such cost, and charging it per tuple makes a lightly loaded receiver look
+  overloaded by any hot pid. With fixed_busy = 0 the estimates are the paper's.
 - T_r = 0 or U_r = 0: the paper's estimate scales the receiver's own cost per tuple, U_r / T_r, which is
   then unknown (0 / 0) or claims the pid would cost nothing. In that case the pid is assumed to cost the
   receiver what it cost the donor: U_r' = U_r + U_d N_p / T_d. A donor with T_d = 0 has nothing to move.
@@ -85,18 +89,25 @@ def imbalance(u_a: float, u_b: float) -> float:
     return math.inf if high > 0.0 else 1.0
 
 
-def estimate_after_move(u_d: float, t_d: int, u_r: float, t_r: int, n_p: int) -> tuple[float, float]:
+def estimate_after_move(
+    u_d: float, t_d: int, u_r: float, t_r: int, n_p: int, f_d: float = 0.0, f_r: float = 0.0
+) -> tuple[float, float]:
     """(U_d', U_r') if a pid that processed n_p tuples moves from the donor to the receiver.
 
-    The paper's U_d (1 - N_p / T_d) and U_r (1 + N_p / T_r); when the receiver's cost per tuple is
-    unknown (T_r = 0 or U_r = 0) the pid is charged at the donor's cost, U_r + U_d N_p / T_d.
+    The paper's U_d (1 - N_p / T_d) and U_r (1 + N_p / T_r), applied to the part of each U that scales
+    with the tuples: f_d and f_r are the parts a micro-batch costs whatever its input, which stay put
+    (f_d + (U_d - f_d) (1 - N_p / T_d) and f_r + (U_r - f_r) (1 + N_p / T_r)). Charged per tuple, a
+    lightly loaded receiver's fixed cost would make any hot pid look like an overload. With f = 0 this
+    is the paper's estimate. When the receiver's cost per tuple is unknown (T_r = 0 or U_r = f_r) the
+    pid is charged at the donor's, U_r + (U_d - f_d) N_p / T_d.
     """
     if t_d <= 0 or not 0 <= n_p <= t_d:
         raise ValueError(f"need 0 <= n_p <= t_d and t_d > 0, got n_p={n_p}, t_d={t_d}")
-    u_d_after = u_d * (1.0 - n_p / t_d)
-    receiver_cost_known = t_r > 0 and u_r > 0.0
-    u_r_after = u_r * (1.0 + n_p / t_r) if receiver_cost_known else u_r + u_d * n_p / t_d
-    return u_d_after, u_r_after
+    u_d_after = f_d + (u_d - f_d) * (1.0 - n_p / t_d)
+    receiver_cost_known = t_r > 0 and u_r > f_r
+    if receiver_cost_known:
+        return u_d_after, f_r + (u_r - f_r) * (1.0 + n_p / t_r)
+    return u_d_after, u_r + (u_d - f_d) * n_p / t_d
 
 
 def interval_after_move_phase(move_phase_s: float, params: FluxParams) -> float:
@@ -177,7 +188,9 @@ class FluxPolicy:
             if pid in snapshot.moves_in_flight:
                 refused.append(f"pid {pid} in flight")
                 continue
-            u_d_after, u_r_after = estimate_after_move(u_d, t_d, u_r, t_r, n_p)
+            u_d_after, u_r_after = estimate_after_move(
+                u_d, t_d, u_r, t_r, n_p, donor.fixed_busy, receiver.fixed_busy
+            )
             if u_r_after > 1.0:
                 refused.append(f"pid {pid} U_r' {u_r_after:.3f} > 1")
                 continue

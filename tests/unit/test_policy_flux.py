@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 import pytest
@@ -79,6 +79,32 @@ def test_fig6_estimates() -> None:
     u2, u3 = estimate_after_move(0.75, 75, 0.40, 40, 15)
     assert (u2, u3) == (pytest.approx(0.60), pytest.approx(0.55))
     assert imbalance(u2, u3) < imbalance(0.75, 0.40)
+
+
+def test_estimates_scale_only_the_per_tuple_part_of_utilization() -> None:
+    """Micro-batch instances: U_d 0.8 of which 0.5 fixed, U_r 0.5 of which 0.45 fixed (little input).
+    Charged per tuple, the receiver's fixed cost would make the pid cost it 0.33 (U_r' 0.83); only its
+    per-tuple part scales: 0.45 + 0.05 (1 + 1000 / 1500)."""
+    u_d, u_r = estimate_after_move(0.80, 13_000, 0.50, 1500, 1000, f_d=0.5, f_r=0.45)
+    assert (u_d, u_r) == (pytest.approx(0.5 + 0.3 * 12 / 13), pytest.approx(0.45 + 0.05 * 5 / 3))
+    assert estimate_after_move(0.80, 13_000, 0.50, 1500, 1000)[1] == pytest.approx(0.5 * 5 / 3)
+
+
+def test_a_fixed_cost_lets_a_hot_pid_go_to_a_lightly_loaded_instance() -> None:
+    """The same pair with and without fixed costs: the paper's estimate refuses both of a's pids."""
+    donor = {0: 6000, 1: 4000}
+
+    def decide(f_a: float, f_b: float) -> list[int]:
+        snap = snapshot_of({"a": (0.9, donor), "b": (0.5, {2: 500})})
+        fixed = {"a": f_a, "b": f_b}
+        stats = tuple(
+            InstanceStats(i.instance, i.busy_fraction, 0, fixed_busy=fixed[i.instance])
+            for i in snap.instances
+        )
+        return [m.pid for m in FLUX.decide(replace(snap, instances=stats), PARAMS).moves]
+
+    assert decide(0.0, 0.0) == []
+    assert decide(0.4, 0.45) == [1]
 
 
 def test_fig6_each_site_moves_or_receives_at_most_one_partition() -> None:

@@ -6,9 +6,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from controller.assignment import Assignment, HandoffMode, Move
 from controller.policies import InstanceStats, PidStats, Snapshot
-from controller.rounds import FIRST_ROUND_DELAY_S, PolicyRounds, busy_fraction, policy_params, snapshot_of
+from controller.rounds import (
+    FIRST_ROUND_DELAY_S,
+    PolicyRounds,
+    busy_fraction,
+    fixed_cost_s,
+    policy_params,
+    snapshot_of,
+)
 
 ASSIGNMENT = Assignment(epoch=0, owners={0: "a", 1: "a", 2: "b", 3: "b"})
 
@@ -130,3 +139,29 @@ def test_a_window_shorter_than_a_batch_reads_the_latest_batch_not_idle() -> None
     busy = {i.instance: i.busy_fraction for i in snap.instances}
     assert busy == {"a": 0.2, "b": 1.0}
     assert {p: s.tuples for p, s in snap.pids.items()} == {0: 10, 1: 10, 2: 400, 3: 10}
+
+
+def _timed(duration_s: float, tuples: int) -> dict[str, Any]:
+    return {"duration_s": duration_s, "tuples_in": tuples, "busy": 0.5}
+
+
+def test_the_fixed_cost_of_a_batch_is_the_intercept_of_duration_against_tuples() -> None:
+    line = [_timed(2.0 + 0.0001 * n, n) for n in (0, 1000, 5000, 8000, 20_000)]
+    assert fixed_cost_s(line) == pytest.approx(2.0)
+    assert fixed_cost_s(line[:4]) == 0.0, "too few batches to fit: unknown"
+    assert fixed_cost_s([_timed(2.0 + i / 10, 100) for i in range(5)]) == 0.0, "tuple counts all alike"
+    falling = [_timed(3.0 - 0.0001 * n, n) for n in (0, 1000, 5000, 8000, 20_000)]
+    assert fixed_cost_s(falling) == pytest.approx(1.0), "never more than the shortest batch"
+
+
+def test_the_snapshot_splits_utilization_into_fixed_and_per_tuple_parts() -> None:
+    """`a` idles between 2 s batches of little input, its fixed cost: half its time, all of it fixed."""
+    batches = [
+        {**_batch("a", t, 2.0 + 0.0001 * n, 4.0, {0: n // 2, 1: n - n // 2}), "tuples_in": n}
+        for t, n in zip((2, 6, 10, 14, 18), (0, 100, 300, 200, 400), strict=True)
+    ]
+    snap = snapshot_of(batches, ["a"], ASSIGNMENT, frozenset(), 18_000, 8.0, 18.0, None)
+    (a,) = snap.instances
+    # The batches ending in the last 8 s (at 10, 14, 18 s): 6.09 s of 12 s; 3 x 2 s of that is fixed.
+    assert a.busy_fraction == pytest.approx(6.09 / 12.0)
+    assert a.fixed_busy == pytest.approx(6.0 / 12.0)
