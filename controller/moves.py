@@ -25,7 +25,7 @@ from typing import Any
 
 from controller.assignment import Assignment, Move
 from controller.policies.base import InstanceStats, Snapshot
-from controller.rounds import busy_fraction, snapshot_of
+from controller.rounds import busy_fraction, described_by, snapshot_of
 from pipeline.config import Config
 from pipeline.control import ControlLog, publish
 from pipeline.protocol import (
@@ -364,23 +364,19 @@ class KafkaPidMover:
         return set(self.observer.liveness().live)
 
     def instance_stats(self, window_s: float = 10.0) -> Mapping[str, InstanceStats]:
-        """Busy fraction of the batches that ended in the last `window_s` seconds (else of the latest
-        batch) and the state held, per reporting instance."""
+        """Busy fraction of the batches that ended in the last `window_s` seconds (`described_by`) and
+        the state held, per reporting instance."""
         since = time.time() * 1000 - window_s * 1000
-        recent: dict[str, list[dict[str, Any]]] = {}
-        latest: dict[str, dict[str, Any]] = {}
+        history: dict[str, list[dict[str, Any]]] = {}
         for b in self.observer.batches:
-            latest[b["instance"]] = b
-            recent.setdefault(b["instance"], [])
-            if b["time_ms"] >= since:
-                recent[b["instance"]].append(b)
+            history.setdefault(b["instance"], []).append(b)
         return {
             i: InstanceStats(
                 instance=i,
-                busy_fraction=busy_fraction(recent[i] or [b]),
-                state_bytes=sum(p["state_bytes"] for p in b["pids"].values()),
+                busy_fraction=busy_fraction(described_by(h, since)),
+                state_bytes=sum(p["state_bytes"] for p in h[-1]["pids"].values()),
             )
-            for i, b in sorted(latest.items())
+            for i, h in sorted(history.items())
         }
 
     def snapshot(self, interval_s: float, now_s: float, last_adaptation_s: float | None) -> Snapshot | None:

@@ -80,12 +80,19 @@ def fixed_cost_s(batches: Sequence[dict[str, Any]]) -> float:
     return min(max(intercept, 0.0), min(durations))
 
 
-def fixed_busy(described: Sequence[dict[str, Any]], history: Sequence[dict[str, Any]]) -> float:
-    """The part of busy_fraction(described) that is fixed per-batch cost, fitted on `history`."""
+def split_busy(described: Sequence[dict[str, Any]], history: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """(busy_fraction(described), the part of it that is fixed per-batch cost, fitted on `history`)."""
+    busy = busy_fraction(described)
     period = _period_s(described)
-    if period <= 0:
-        return 0.0
-    return min(busy_fraction(described), fixed_cost_s(history) * len(described) / period)
+    fixed = fixed_cost_s(history) * len(described) / period if period > 0 else 0.0
+    return busy, min(busy, fixed)
+
+
+def described_by(history: Sequence[dict[str, Any]], since_ms: float) -> list[dict[str, Any]]:
+    """The batches of one instance's `history` (oldest first) that ended at or after `since_ms`, else
+    its latest batch: an instance with none ending in the interval is inside a longer batch (a loaded
+    instance), and reading it as idle would send it more work. Empty before its first batch."""
+    return [b for b in history if b["time_ms"] >= since_ms] or list(history[-1:])
 
 
 def snapshot_of(
@@ -98,39 +105,32 @@ def snapshot_of(
     now_s: float,
     last_adaptation_s: float | None,
 ) -> Snapshot:
-    """Statistics of the instances' batch records that ended in the last `interval_s` seconds.
-
-    An instance with no batch ending in the interval is described by its latest batch: it is inside a
-    batch longer than the interval (a loaded instance), and reading it as idle would send it more work.
-    The fixed cost of its batches is fitted on all its records at hand (the observer keeps two minutes).
-    """
+    """Statistics of the instances' batch records that ended in the last `interval_s` seconds (or of
+    each one's latest batch, `described_by`); the fixed cost of an instance's batches is fitted on all
+    its records at hand (the observer keeps two minutes)."""
     since = now_ms - interval_s * 1000
-    recent: dict[str, list[dict[str, Any]]] = {i: [] for i in live}
     history: dict[str, list[dict[str, Any]]] = {i: [] for i in live}
-    latest: dict[str, dict[str, Any]] = {}
     state: dict[str, dict[int, int]] = {i: {} for i in live}
     for b in batches:
         name = b["instance"]
-        if name not in recent:
+        if name not in history:
             continue
         for p, s in b["pids"].items():
             state[name][int(p)] = s["state_bytes"]  # newest record wins
-        latest[name] = b
         history[name].append(b)
-        if b["time_ms"] >= since:
-            recent[name].append(b)
-    described = {i: recent[i] or ([latest[i]] if i in latest else []) for i in live}
+    described = {i: described_by(history[i], since) for i in live}
     tuples: dict[int, int] = {}
     for own in described.values():
         for b in own:
             for p, s in b["pids"].items():
                 tuples[int(p)] = tuples.get(int(p), 0) + s["in"]
-    owned = {p: o for p, o in assignment.owners.items() if o in recent}
+    busy = {i: split_busy(described[i], history[i]) for i in live}
+    owned = {p: o for p, o in assignment.owners.items() if o in history}
     instances = tuple(
         InstanceStats(
             instance=i,
-            busy_fraction=busy_fraction(described[i]),
-            fixed_busy=fixed_busy(described[i], history[i]),
+            busy_fraction=busy[i][0],
+            fixed_busy=busy[i][1],
             state_bytes=sum(v for p, v in state[i].items() if owned.get(p) == i),
         )
         for i in sorted(live)
