@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from controller.moves import Observer
-from controller.rounds import busy_fraction
+from controller.rounds import busy_fraction, described_by
 from pipeline.config import Config
 from pipeline.control import ControlLog
 
@@ -40,8 +40,9 @@ def describe_status(cfg: Config, bootstrap: str, listen_s: float = 3.0) -> str:
     )
     for name in names:
         pids = [p for p, o in a.owners.items() if o == name]
-        recent = [b for b in observer.batches if b["instance"] == name and b["time_ms"] >= now_ms - 10_000]
-        busy = busy_fraction(recent)
+        history = [b for b in observer.batches if b["instance"] == name]
+        recent = [b for b in history if b["time_ms"] >= now_ms - 10_000]
+        busy = busy_fraction(described_by(history, now_ms - 10_000))
         rate = sum(b["tuples_in"] for b in recent) / 10
         state = sum(s["state_bytes"] for s in recent[-1]["pids"].values()) / 1e6 if recent else 0.0
         alive = "yes" if name in live else "no"
