@@ -402,11 +402,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             return {"epoch": owned.epoch, "tracking": start.get("tracking", {}), "offsets": end} | next_pid
         plan = self._change_epoch(start, owned)
         held: Offsets = plan["offsets"]
-        # Released pids with a move read on up to their cutoff in this batch, like every held pid.
-        read = start["offsets"].get(self.streams[0], {})
-        leaving = [
-            p for p, r in plan["released"].items() if r["move_id"] and not r.get("track") and p in read
-        ]
+        leaving = self._read_to_cutoff(start, plan["released"])
         begin = {s: {**held[s], **{p: start["offsets"][s][p] for p in leaving}} for s in self.streams}
         end, next_pid = self._read_up_to(begin, limit, int(start.get("next_pid", 0)))
         for p in leaving:
@@ -416,6 +412,12 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         }
         plan["offsets"] = {s: {p: end[s][p] for p in held[s]} for s in self.streams}
         return plan | next_pid
+
+    def _read_to_cutoff(self, start: dict, released: dict[str, Any]) -> list[str]:
+        """The released pids this batch reads on up to their cutoff, like every held pid: those that
+        move away (a parallel track's sender keeps reading them) and that the batch's start offset has."""
+        read = start["offsets"].get(self.streams[0], {})
+        return [p for p, r in released.items() if r["move_id"] and not r.get("track") and p in read]
 
     def _read_up_to(self, begin: Offsets, limit: ReadLimit, first_pid: int) -> tuple[Offsets, dict[str, int]]:
         """End offsets of a batch starting at `begin`: every pid's latest offsets, or whole pids round
@@ -487,11 +489,10 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             for p, e in end["offsets"].get(s, {}).items()
             if p in begin[s]
         ]
-        for p, r in end.get("released", {}).items():  # read up to the cutoff, then let go
-            if r.get("track") or not r["move_id"] or p not in start["offsets"].get(self.streams[0], {}):
-                continue
+        for p in self._read_to_cutoff(start, end.get("released", {})):  # then let go
             for i, s in enumerate(self.streams):
-                ranges.append(PidRange(i, self.topics[i], int(p), start["offsets"][s][p], r["cutoff"][s]))
+                cutoff = end["released"][p]["cutoff"][s]
+                ranges.append(PidRange(i, self.topics[i], int(p), start["offsets"][s][p], cutoff))
         tasks = [KafkaPidPartition(t, self.partition_count) for t in plan_partitions(ranges, self.tasks)]
         releases = tuple(  # a parallel track's sender keeps the window (its old tuples)
             (int(p), bool(r["export"])) for p, r in end.get("released", {}).items() if not r.get("track")
