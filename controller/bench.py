@@ -439,10 +439,9 @@ def measure_skew_point(
     follower = MetricsFollower(pipeline.cfg, bootstrap)
     records: list[dict[str, Any]] = []
     try:
-        if policy == "flux":
-            start_warm(pipeline, follower, records, policy, FLUX_SKEW_PARAMS, FLUX_SKEW_MODE)
-        else:
-            start_warm(pipeline, follower, records, policy)
+        flux = policy == "flux"
+        params, mode = (FLUX_SKEW_PARAMS, FLUX_SKEW_MODE) if flux else (None, "transfer")
+        start_warm(pipeline, follower, records, policy, params, mode)
         started_ms = time.time() * 1000
         while pipeline.procs["generator"].poll() is None:
             records.extend(follower.poll())
@@ -621,11 +620,12 @@ def measure_move_cost(
             move_id = request_moves(cfg, bootstrap, [pid], names[1], mode).move_id(pid)
             wait_for(partial(_acquired, log, move_id), 120, f"the {mode.value} move")
             collect_for(steady_s)
+            ended = time.time() * 1000
             out[mode.value] = {
                 "pause_s": pause_of(records, pid, started),
                 "to_target_s": to_target_s(records, pid, names[1], started),
-                "others_p99_s": _p99(records, started, time.time() * 1000),
-                "busy_per_s": busy_per_s(records, started, time.time() * 1000),
+                "others_p99_s": _p99(records, started, ended),
+                "busy_per_s": busy_per_s(records, started, ended),
             }
             say(f"move-cost W={cfg.window_ms} ms {mode.value}: {out[mode.value]}")
         started = time.time() * 1000

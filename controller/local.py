@@ -113,8 +113,10 @@ class LocalPipeline:
         deadline = time.monotonic() + timeout_s
         for name in names:
             while ": running" not in (self.work / f"{name}.log").read_text(errors="replace"):
-                for failed, code in self.failed().items():  # e.g. a controller refusing its options
-                    raise RuntimeError(f"{failed} exited with {code}:\n{self.log_tail(failed)}")
+                failed = self.failed()  # any process: e.g. a controller refusing its options
+                if failed:
+                    who, code = next(iter(failed.items()))
+                    raise RuntimeError(f"{who} exited with {code}:\n{self.log_tail(who)}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} did not start its query within {timeout_s:.0f} s")
                 time.sleep(0.5)
