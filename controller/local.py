@@ -126,8 +126,11 @@ class LocalPipeline:
         return {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
 
     def log_tail(self, name: str, lines: int = 20) -> str:
+        """The log's last lines, headed by its last root cause (a JVM trace ends far from its cause)."""
         text = (self.work / f"{name}.log").read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
+        tail = text[-lines:]
+        causes = [line for line in text if line.startswith("Caused by:")]
+        return "\n".join(causes[-1:] + tail if causes and causes[-1] not in tail else tail)
 
     def stop(self) -> None:
         """SIGTERM each process (not its group: an instance stops its query, then its JVM), then SIGKILL

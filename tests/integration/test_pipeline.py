@@ -9,7 +9,7 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
-from controller.local import LocalPipeline, committed_offsets, wait_drained
+from controller.local import LocalPipeline, backlog, committed_offsets, wait_drained
 from generator.producer import run_generator
 from pipeline.config import Config, load_config
 from pipeline.oracle import read_topic, verify_pipeline
@@ -103,6 +103,50 @@ def test_kill_minus_nine_and_restart_stays_exact(
         time.sleep(3)
         pipeline.start_instance("instance-0", range(0, 4))
         wait_drained(pipeline, timeout_s=300)
+    finally:
+        pipeline.stop()
+    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
+    assert report.expected > 1_000
+    assert report.exact, report.describe()
+
+
+def test_a_batch_in_kafka_but_not_in_the_commit_log_runs_again_without_output(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """The crash window between the sink's Kafka commit and Spark's commit-log entry, made exact: an idle
+    instance is killed and its last commit-log entry removed. On restart Spark re-runs that batch; the
+    sink must run it (its state stores must commit) without writing its output a second time."""
+    cfg = small_config(
+        topic_prefix,
+        "generator.mode=real_time",
+        "generator.duration_s=60",
+        "generator.rate={kind: steps, steps: [[0, 1000], [10, 0], [50, 1000]]}",
+    )
+    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
+    commits = tmp_path / cfg.pipeline / "instance-0" / "checkpoint" / "commits"
+    offsets = commits.parent / "offsets"
+
+    def newest(log: Path) -> int:
+        return max((int(f.name) for f in log.iterdir() if f.name.isdigit()), default=-1)
+
+    try:
+        pipeline.start_instance("instance-0", range(0, 8))
+        pipeline.wait_running(["instance-0"])
+        pipeline.start_generator()
+        time.sleep(12)  # into the generator's quiet phase
+        deadline = time.monotonic() + 60
+        while not (backlog(pipeline.cfg, kafka_bootstrap) == 0 and newest(commits) == newest(offsets) >= 0):
+            assert time.monotonic() < deadline, "instance-0 never went idle in the quiet phase"
+            assert not pipeline.failed(), pipeline.failed()
+            time.sleep(0.5)
+        pipeline.kill("instance-0", signal.SIGKILL)
+        last = newest(commits)
+        for entry in (str(last), f".{last}.crc"):
+            (commits / entry).unlink()
+        pipeline.start_instance("instance-0", range(0, 8))
+        assert pipeline.procs["generator"].wait(120) == 0, pipeline.log_tail("generator")
+        wait_drained(pipeline, timeout_s=300)
+        assert (commits / str(last)).exists(), "the batch was not run again"
     finally:
         pipeline.stop()
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
