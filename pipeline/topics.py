@@ -22,8 +22,12 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from pipeline.config import Config
 
-# Seconds to wait for the broker to answer, and for new topics to show up in metadata with leaders.
+# Seconds to wait for the broker to answer.
 DEFAULT_TIMEOUT_S = 10.0
+
+VISIBLE_TIMEOUT_S = 60.0
+"""How long created topics may take to show in metadata: a broker that has just restarted over many
+partitions accepts a creation at once but was measured taking 11 s to show it."""
 
 # librdkafka's own log lines (e.g. a connection refused every 50 ms while a broker is down) go to
 # this logger instead of straight to stderr: an application that configures logging sees them, a
@@ -127,7 +131,7 @@ def ensure_topics(cfg: Config, bootstrap: str, timeout_s: float = DEFAULT_TIMEOU
                 err = exc.args[0]
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
                     raise TopicError(f"cannot create topic {name}: {err}") from None
-    _await_visible(admin, bootstrap, specs, timeout_s)
+    _await_visible(admin, bootstrap, specs, max(timeout_s, VISIBLE_TIMEOUT_S))
 
 
 def _await_visible(admin: AdminClient, bootstrap: str, specs: list[TopicSpec], timeout_s: float) -> None:
