@@ -59,6 +59,16 @@ def new_run(cfg: Config, kind: str) -> tuple[str, Path]:
     return run_id, Path(cfg.instance.work_dir).resolve() / run_id
 
 
+def drop_run_topics(bootstrap: str, run_id: str, say: Callable[[str], None]) -> None:
+    """Delete the topics of a finished run (its pipelines are named after it), so repeated runs do not
+    pile up data on the broker: a broker restarted over gigabytes of old runs takes minutes to load."""
+    from pipeline.topics import delete_topics, topics_named_after
+
+    names = topics_named_after(bootstrap, f"{run_id}-")
+    delete_topics(bootstrap, names)
+    say(f"deleted the run's {len(names)} topics")
+
+
 def save_report(run_id: str, name: str, summary: dict[str, Any], say: Callable[[str], None]) -> None:
     """Write the summary to reports/bench/<run id>/<name>.json and say where."""
     out = Path("reports") / "bench" / run_id
@@ -310,6 +320,7 @@ def run_throughput_bench(
             builtin.append(measure_builtin(c, bootstrap, work / f"catchup-{i}", say))
         lat_cfg = latency_config(cfg, f"{run_id}-latency", latency_rate, latency_s)
         lat = measure_latency(lat_cfg, bootstrap, work / "latency", say)
+        drop_run_topics(bootstrap, run_id, say)
     ours_rate = statistics.median(r["tuples_per_s"] for r in ours)
     builtin_rate = statistics.median(r["tuples_per_s"] for r in builtin)
     summary = {
@@ -491,6 +502,7 @@ def run_skew_bench(
                 name = f"{run_id}-{policy}-{int(rate)}"
                 c = skew_config(cfg, name, rate, seconds, instances, cpu)
                 earlier[rate] = measure_skew_point(c, bootstrap, work / name, policy, say)
+        drop_run_topics(bootstrap, run_id, say)
     summary: dict[str, Any] = {}
     for policy, by_rate in points.items():
         ok = [r for r, p in by_rate.items() if p["sustained"]]
@@ -667,6 +679,7 @@ def run_move_cost_bench(
             seconds = w / 1000 + 15 + 5 * steady_s + 60
             c = move_cost_config(cfg, f"{run_id}-w{w}", w, rate, seconds)
             summary[str(w)] = measure_move_cost(c, bootstrap, work / f"w{w}", steady_s, say)
+        drop_run_topics(bootstrap, run_id, say)
     save_report(run_id, "move_cost", summary, say)
     return summary
 
@@ -787,5 +800,6 @@ def run_convergence_bench(
             summary[f"{delta_min:g}"] = measure_convergence(
                 c, bootstrap, work / name, delta_min, shift_s, say
             )
+        drop_run_topics(bootstrap, run_id, say)
     save_report(run_id, "convergence", summary, say)
     return summary

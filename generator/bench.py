@@ -11,7 +11,6 @@ Run: `python -m generator.bench --bootstrap localhost:9092` (prints one JSON obj
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -23,7 +22,7 @@ from typing import Any
 
 from generator.producer import run_generator
 from pipeline.config import Config, load_config
-from pipeline.topics import admin_client, topic_specs
+from pipeline.topics import delete_topics, topic_specs
 
 TARGET_TUPLES_PER_S = 200_000
 
@@ -132,12 +131,7 @@ def run_generator_bench(
 
 def _delete_topics(bootstrap: str, pipeline: str, partitions: int) -> None:
     """Drop the benchmark's topics so repeated runs do not pile up data on the broker."""
-    cfg = bench_config(pipeline, 1, 1, 0, partitions)
-    futures = admin_client(bootstrap).delete_topics([s.name for s in topic_specs(cfg)], request_timeout=30)
-    for fut in futures.values():
-        # Best effort: a topic that was never created is fine.
-        with contextlib.suppress(Exception):
-            fut.result()
+    delete_topics(bootstrap, [s.name for s in topic_specs(bench_config(pipeline, 1, 1, 0, partitions))])
 
 
 def main(argv: Sequence[str] | None = None) -> None:

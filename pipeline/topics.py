@@ -12,6 +12,7 @@ instead of librdkafka retrying forever behind a hung command.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -132,6 +133,26 @@ def ensure_topics(cfg: Config, bootstrap: str, timeout_s: float = DEFAULT_TIMEOU
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
                     raise TopicError(f"cannot create topic {name}: {err}") from None
     _await_visible(admin, bootstrap, specs, max(timeout_s, VISIBLE_TIMEOUT_S))
+
+
+def delete_topics(bootstrap: str, names: list[str]) -> None:
+    """Delete `names`, best effort: a topic that is already gone (or was never created) is fine."""
+    if not names:
+        return
+    admin = admin_client(bootstrap)  # referenced until the futures resolve: a dropped client fails them
+    futures = admin.delete_topics(names, request_timeout=30)
+    for fut in futures.values():
+        with contextlib.suppress(KafkaException):
+            fut.result()
+
+
+def topics_named_after(bootstrap: str, prefix: str) -> list[str]:
+    """The topics whose names start with `prefix` (a pipeline's, or a benchmark run's pipelines')."""
+    return sorted(
+        t
+        for t in _metadata_topics(admin_client(bootstrap), bootstrap, DEFAULT_TIMEOUT_S)
+        if t.startswith(prefix)
+    )
 
 
 def _await_visible(admin: AdminClient, bootstrap: str, specs: list[TopicSpec], timeout_s: float) -> None:

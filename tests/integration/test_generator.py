@@ -16,7 +16,16 @@ from generator.producer import run_generator
 from pipeline.codec import decode_tuples
 from pipeline.config import Config, load_config
 from pipeline.partitioning import pids_of
-from pipeline.topics import BrokerUnreachable, TopicError, admin_client, check_reachable, ensure_topics
+from pipeline.topics import (
+    BrokerUnreachable,
+    TopicError,
+    admin_client,
+    check_reachable,
+    delete_topics,
+    ensure_topics,
+    topic_specs,
+    topics_named_after,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -205,6 +214,25 @@ def test_topics_are_created_once_with_the_right_shape(kafka_bootstrap: str, topi
     resource = ConfigResource(ConfigResource.Type.TOPIC, cfg.sink_commits_topic)
     configs = admin.describe_configs([resource])[resource].result()
     assert configs["cleanup.policy"].value == "compact"
+
+
+def test_the_topics_named_after_a_prefix_are_deleted(kafka_bootstrap: str, topic_prefix: str) -> None:
+    """How a benchmark run drops its pipelines' topics, and only theirs."""
+    runs = [gen_config(f"{topic_prefix}-run-{i}") for i in range(2)]
+    other = gen_config(f"{topic_prefix}-other")
+    for cfg in [*runs, other]:
+        ensure_topics(cfg, kafka_bootstrap)
+    expected = sorted(s.name for cfg in runs for s in topic_specs(cfg))
+    assert topics_named_after(kafka_bootstrap, f"{topic_prefix}-run-") == expected
+    delete_topics(kafka_bootstrap, expected)
+    deadline = time.monotonic() + 60
+    while topics_named_after(kafka_bootstrap, f"{topic_prefix}-run-"):
+        assert time.monotonic() < deadline, "deleted topics still listed after 60 s"
+        time.sleep(0.5)
+    assert topics_named_after(kafka_bootstrap, f"{topic_prefix}-other") == sorted(
+        s.name for s in topic_specs(other)
+    )
+    delete_topics(kafka_bootstrap, expected)  # already gone: fine
 
 
 def test_wrong_partition_count_is_refused(kafka_bootstrap: str, topic_prefix: str) -> None:
