@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ import pandas as pd
 from pipeline.codec import MalformedRecord, decode_results, decode_tuple_columns
 from pipeline.config import Config
 from pipeline.join import Part, Results, join_parts
+from pipeline.partitioning import pids_of
 from pipeline.topics import read_topic
 
 CHUNK_TUPLES = 250_000
@@ -36,6 +37,8 @@ class VerifyReport:
     missing: int
     duplicate: int
     spurious: int
+    missing_by_pid: dict[int, int] = field(default_factory=dict)
+    """Where missing results belong (pid of their key): a loss is traced to the moves of that pid."""
 
     @property
     def exact(self) -> bool:
@@ -50,6 +53,7 @@ class VerifyReport:
             f"input tuples {self.input_tuples:,} (late {self.late:,}, malformed records {self.malformed:,})\n"
             f"expected {self.expected:,}  produced {self.produced:,}  missing {self.missing:,}  "
             f"duplicate {self.duplicate:,}  spurious {self.spurious:,}  -> {verdict}"
+            + (f"\nmissing by pid {self.missing_by_pid}" if self.missing_by_pid else "")
         )
 
 
@@ -122,6 +126,15 @@ def compare(expected: np.ndarray, produced: np.ndarray) -> tuple[int, int, int]:
     return missing, duplicate, spurious
 
 
+def missing_by_pid(expected: Results, produced: np.ndarray, partitions: int) -> dict[int, int]:
+    """How many expected results are absent from `produced`, by the pid of their key."""
+    cols = [f"id{j}" for j in range(expected.ids.shape[0])]
+    got = pd.DataFrame(produced.T, columns=cols).drop_duplicates()
+    want = pd.DataFrame(expected.ids.T, columns=cols).assign(pid=pids_of(expected.keys, partitions))
+    absent = want.merge(got, on=cols, how="left", indicator=True).query("_merge == 'left_only'")
+    return {int(p): int(n) for p, n in absent["pid"].value_counts().sort_index().items()}
+
+
 def read_results(bootstrap: str, cfg: Config) -> np.ndarray:
     chunks = [decode_results(v).ids for _, _, v in read_topic(bootstrap, cfg.results_topic)]
     m = len(cfg.streams)
@@ -157,4 +170,5 @@ def verify_pipeline(
         missing=missing,
         duplicate=duplicate,
         spurious=spurious,
+        missing_by_pid=missing_by_pid(expected, produced, cfg.partitions) if missing else {},
     )

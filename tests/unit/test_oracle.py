@@ -6,7 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.oracle import compare, expected_join
+from pipeline.join import Results
+from pipeline.oracle import compare, expected_join, missing_by_pid
+from pipeline.partitioning import pids_of
 from tests.unit.test_join import as_part, brute_force, result_set
 
 
@@ -32,3 +34,15 @@ def test_compare_counts_missing_duplicate_and_spurious() -> None:
     empty = np.empty((2, 0), dtype=np.int64)
     assert compare(expected, empty) == (4, 0, 0)
     assert compare(empty, empty) == (0, 0, 0)
+
+
+def test_missing_results_are_counted_by_the_pid_of_their_key() -> None:
+    keys = np.array([3, 4, 5, 6], dtype=np.int64)
+    pids = pids_of(keys, 8)
+    expected = Results(np.array([[1, 2, 3, 4], [10, 20, 30, 40]]), keys, np.zeros(4, np.int64))
+    produced = np.array([[1, 3, 9], [10, 30, 90]])
+    want: dict[int, int] = {}
+    for p in pids[[1, 3]]:
+        want[int(p)] = want.get(int(p), 0) + 1
+    assert missing_by_pid(expected, produced, 8) == want
+    assert missing_by_pid(expected, expected.ids, 8) == {}
