@@ -48,10 +48,6 @@ def instance_dir(cfg: Config, name: str) -> Path:
 THREAD_STACK = "64m"
 """JVM thread stack size (reserved address space; only the pages used are committed)."""
 
-JIT = "-XX:TieredStopAtLevel=1"
-"""Compile with C1 only (decision 0011): an instance's C2 compiler threads used more CPU than its
-batches, and a micro-batch's cost is mostly fixed work that C2 barely speeds up."""
-
 
 def spark_session(cfg: Config, app_name: str, extra_conf: dict[str, str] | None = None) -> Any:
     """A local Spark session tuned for one instance: small shuffles, Arrow, no UI."""
@@ -69,7 +65,7 @@ def spark_session(cfg: Config, app_name: str, extra_conf: dict[str, str] | None 
         # Stopping the query interrupts the batch in foreachBatch; Spark recognises the interruption by
         # matching the Python traceback with a regex that recurses once per character, which overflows
         # the default 1 MB thread stack and turns a clean stop into a StackOverflowError.
-        .config("spark.driver.extraJavaOptions", f"-Xss{THREAD_STACK} {JIT}")
+        .config("spark.driver.extraJavaOptions", f"-Xss{THREAD_STACK}")
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", str(cfg.instance.shuffle_partitions))
         .config("spark.sql.execution.arrow.maxRecordsPerBatch", "100000")
