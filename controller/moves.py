@@ -145,16 +145,16 @@ def plan_step(
             for p in lost:
                 move = moving.pop(p, None)
                 track = tracks.get(p)
-                if track is not None and view.track_ended(track.move_id, "new"):
-                    track = None  # the receiver's overlap was over: a plain replay rebuilds its window
+                # Never onto the overlap's old side, even once the new side's part is over: one
+                # instance holds one window per pid.
                 target = least_loaded(track.source if track else "")
-                if track is not None:  # the overlap's new side: its tuples since the cutoff, re-read
-                    if p not in handoffs:
-                        handoffs[p] = _resume(view, track, committed(d, p))
+                if track is not None:
                     tracks[p] = replace(track, target=target)
-                elif p in tracks:
-                    tracks[p] = replace(tracks[p], target=target)
+                if track is not None and not view.track_ended(track.move_id, "new"):
+                    if p not in handoffs:  # the overlap's new side: its tuples since the cutoff, re-read
+                        handoffs[p] = _resume(view, track, committed(d, p))
                 elif p not in handoffs:  # a handoff never taken stays: the new target starts where it said
+                    # (after the new side's part of an overlap, too, a plain replay rebuilds its window)
                     cutoff = committed(d, p) or earliest(p)
                     move_id = f"recover-{uuid.uuid4().hex[:8]}"
                     handoffs[p] = Handoff(move_id=move_id, mode=Mode.REPLAY, cutoff=cutoff)

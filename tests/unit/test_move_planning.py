@@ -180,6 +180,17 @@ def test_a_dead_receiver_of_a_parallel_track_is_resumed_from_the_cutoff() -> Non
     assert msg.handoffs[1].mode is Mode.PARALLEL_TRACK and msg.handoffs[1].watermark == 900
 
 
+def test_a_dead_receiver_whose_part_of_the_overlap_ended_is_recovered_by_plain_replay() -> None:
+    view = _overlap().apply(AcquiredMsg(instance="b", epoch=2, pid=1, move_id="pt"))
+    view = view.apply(view_step(view))
+    view = view.apply(TrackDoneMsg(instance="b", epoch=3, pid=1, move_id="pt", side="new"))
+    b_dead = Liveness(live={"a": "ia", "c": "ic"}, dead=frozenset({"b"}), incarnations={"b": "ib"})
+    msg = step(view, b_dead)
+    assert msg is not None and msg.owners[1] == "c", "never the old side, which still holds pid 1's window"
+    assert msg.tracks[1].source == "a" and msg.tracks[1].target == "c"
+    assert msg.handoffs[1].mode is Mode.REPLAY and msg.handoffs[1].cutoff == {"A": 0, "B": 0}
+
+
 def test_a_parallel_track_waits_for_a_third_instance_rather_than_share_one() -> None:
     view = _overlap()
     only_a = Liveness(live={"a": "ia"}, dead=frozenset({"b", "c"}), incarnations={"b": "ib", "c": "ic"})
