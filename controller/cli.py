@@ -415,6 +415,13 @@ def bench_skew(
     seconds: Annotated[float, typer.Option(help="Seconds of input per point.")] = 90,
     instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
     cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.45,
+    keys: Annotated[
+        int | None,
+        typer.Option(
+            help="Distinct join keys; fewer make more results per tuple. [default: 10 s of one stream's "
+            "input, at least 1,024]"
+        ),
+    ] = None,
 ) -> None:
     """Sustainable input rate and latency of the static and flux policies under moving skew."""
     from controller.bench import run_skew_bench
@@ -423,7 +430,7 @@ def bench_skew(
     say = _progress(json_)
     wanted = _numbers(rates, "--rates", float)
     try:
-        summary = run_skew_bench(cfg, wanted, seconds, instances, cpu, say)
+        summary = run_skew_bench(cfg, wanted, seconds, instances, cpu, keys, say)
     except _user_errors() as exc:
         fail(str(exc))
     compact = {p: {k: v for k, v in s.items() if k != "points"} for p, s in summary.items()}
