@@ -62,6 +62,20 @@ class Move:
             raise ValueError(f"move of pid {self.pid} has the same source and target {self.source!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class FinishedMove:
+    """A move that left the moves in flight: the epoch that ended it, and the pid's owner under that
+    epoch (its target when it completed, another instance when it was abandoned because its source died)."""
+
+    move: Move
+    epoch: int
+    owner: str | None
+
+    @property
+    def completed(self) -> bool:
+        return self.owner == self.move.target
+
+
 def find_violations(
     claims: Mapping[str, Iterable[int]], partitions: int, live_instances: Iterable[str]
 ) -> list[Violation]:

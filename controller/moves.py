@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from controller.assignment import Assignment, Move
+from controller.assignment import Assignment, FinishedMove, Move
 from controller.policies.base import InstanceStats, Snapshot
 from controller.rounds import busy_fraction, described_by, snapshot_of
 from pipeline.config import Config
@@ -232,6 +233,35 @@ def _publish(
     ), said
 
 
+def moves_in_flight(view: ControlView) -> list[Move]:
+    """Moves being released, handoffs being taken and parallel tracks (the source still holds the
+    pid's old tuples); a handoff's source is the instance that released the pid, or "?" for the
+    recovery of a dead instance (nothing was released)."""
+    a = view.assignment
+    if a is None:
+        return []
+    moves = [Move(p, m.source, m.target, m.mode) for p, m in a.moving.items()]
+    for p, h in a.handoffs.items():
+        if p in a.owners:
+            released = view.released.get(h.move_id)
+            moves.append(Move(p, released.instance if released else "?", a.owners[p], h.mode))
+    listed = {m.pid for m in moves}
+    moves += [Move(p, m.source, m.target, m.mode) for p, m in a.tracks.items() if p not in listed]
+    return moves
+
+
+def finished_moves(before: Sequence[Move], after: ControlView) -> list[FinishedMove]:
+    """The moves of `before` (in flight under an earlier view) that `after` no longer has in flight."""
+    if after.assignment is None:
+        return []
+    a, still = after.assignment, {(m.pid, m.source, m.target) for m in moves_in_flight(after)}
+    return [
+        FinishedMove(m, a.epoch, a.owners.get(m.pid))
+        for m in before
+        if (m.pid, m.source, m.target) not in still
+    ]
+
+
 class Observer:
     """Tails the metrics topic: heartbeats (liveness) and per-batch records (load), from a minute ago."""
 
@@ -315,6 +345,9 @@ class KafkaPidMover:
         self._producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
         self._requested: dict[str, MoveSpec] = {}
         self._said_before: set[str] = set()
+        # Read by the operator every round; a local controller reports moves by its log lines and never
+        # reads it, so only the newest are kept.
+        self._finished: deque[FinishedMove] = deque(maxlen=1000)
 
     # --- the PidMover protocol of the Kubernetes operator ---
 
@@ -343,21 +376,13 @@ class KafkaPidMover:
         self.step()
 
     def in_flight(self) -> Sequence[Move]:
-        """Moves being released, handoffs being taken and parallel tracks (the source still holds the
-        pid's old tuples); a handoff's source is the instance that released the pid, or "?" for the
-        recovery of a dead instance (nothing was released)."""
-        view = self.log.catch_up()
-        a = view.assignment
-        if a is None:
-            return []
-        moves = [Move(p, m.source, m.target, m.mode) for p, m in a.moving.items()]
-        for p, h in a.handoffs.items():
-            if p in a.owners:
-                released = view.released.get(h.move_id)
-                moves.append(Move(p, released.instance if released else "?", a.owners[p], h.mode))
-        listed = {m.pid for m in moves}
-        moves += [Move(p, m.source, m.target, m.mode) for p, m in a.tracks.items() if p not in listed]
-        return moves
+        return moves_in_flight(self.log.catch_up())
+
+    def finished(self) -> Sequence[FinishedMove]:
+        """Moves that left `in_flight()` in this mover's steps since the last call, each returned once."""
+        done = list(self._finished)
+        self._finished.clear()
+        return done
 
     def ready_instances(self) -> set[str]:
         self.observer.poll()
@@ -420,6 +445,7 @@ class KafkaPidMover:
         msg, said = plan_step(view, self.observer.liveness(), requested, committed, self._earliest)
         if msg is not None:
             self._publish(msg)
+            self._finished.extend(finished_moves(moves_in_flight(view), self.log.view))
         started = {m.move_id for m in msg.moving.values()} if msg else set()
         self._requested = {
             k: v for k, v in self._requested.items() if k not in started and k not in view.started
@@ -430,10 +456,11 @@ class KafkaPidMover:
             self.say(line)
         return fresh
 
-    def _publish(self, msg: AssignmentMsg | MoveRequestMsg) -> None:
+    def _publish(self, msg: AssignmentMsg) -> None:
         publish(self._producer, self.cfg.control_topic, msg)
         if self._producer.flush(30):
             raise RuntimeError("control message not acknowledged within 30 s")
+        self.log.add_own(msg)
         self.log.catch_up()
 
     def _newest_markers(self) -> dict[str, dict[str, Any]]:

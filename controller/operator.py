@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import kubernetes
 from kubernetes.client import ApiException
 
-from controller.assignment import Assignment, Move
+from controller.assignment import Assignment, FinishedMove, Move
 from controller.policies.base import InstanceStats, Snapshot
 from controller.rounds import PolicyRounds
 from controller.scaling import Plan, StepKind, plan_step
@@ -83,6 +83,10 @@ class PidMover(Protocol):
 
     def in_flight(self) -> Sequence[Move]:
         """Moves requested and not yet complete."""
+        ...
+
+    def finished(self) -> Sequence[FinishedMove]:
+        """Moves that left `in_flight()` since the last call, each returned once."""
         ...
 
     def ready_instances(self) -> set[str]:
@@ -299,10 +303,6 @@ def _failure_message(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _same_moves(recorded: Mapping[str, Any], move: Move) -> bool:
-    return (recorded["pid"], recorded["from"], recorded["to"]) == (move.pid, move.source, move.target)
-
-
 class Operator:
     """Reconciles the JoinPipelines of one namespace; `step()` is one round, `run()` loops until stopped."""
 
@@ -431,8 +431,8 @@ class Operator:
         self._apply(self._read("Service", spec.name), service(spec, self._settings))
 
         mover.step()
+        self._report_finished_moves(obj, mover.finished())
         previous: dict[str, Any] = obj.get("status") or {}
-        self._report_completed_moves(obj, previous, mover.assignment(), tuple(mover.in_flight()))
         plan = self._plan(spec, mover)
         decided = self._act(obj, mover, plan)
         if decided is None and plan.kind is StepKind.STEADY:
@@ -526,24 +526,16 @@ class Operator:
             self._movers.pop(key).close()
             self._rounds.pop(key, None)
 
-    def _report_completed_moves(
-        self,
-        obj: dict[str, Any],
-        previous: Mapping[str, Any],
-        assignment: Assignment | None,
-        in_flight: Sequence[Move],
-    ) -> None:
-        """An event for each move recorded in status that is no longer in flight."""
-        for recorded in previous.get("moves", []):
-            if any(_same_moves(recorded, move) for move in in_flight):
-                continue
-            owner = assignment.owners.get(recorded["pid"]) if assignment is not None else None
-            text = f"pid {recorded['pid']}: {recorded['from']} -> {recorded['to']}"
-            if owner == recorded["to"]:
-                epoch = assignment.epoch if assignment is not None else 0
-                self._event(obj, "MoveCompleted", f"{text} (epoch {epoch})")
+    def _report_finished_moves(self, obj: dict[str, Any], finished: Sequence[FinishedMove]) -> None:
+        """An event for each move that left the moves in flight, as the mover's steps saw it happen
+        (not by comparing the status with what is in flight: one failed status write would lose one)."""
+        for done in finished:
+            move = done.move
+            text = f"pid {move.pid}: {move.source} -> {move.target}"
+            if done.completed:
+                self._event(obj, "MoveCompleted", f"{text} (epoch {done.epoch})")
             else:
-                self._event(obj, "MoveAborted", f"{text} ended with owner {owner}", "Warning")
+                self._event(obj, "MoveAborted", f"{text} ended with owner {done.owner}", "Warning")
 
     # --- cleanup ---
 

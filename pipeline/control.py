@@ -66,6 +66,18 @@ class ControlLog:
                     self._next = max(self._next, high)
             return self.view
 
+    def add_own(self, msg: AssignmentMsg) -> ControlView:
+        """Fold in an assignment this process has just published (flushed), before the log shows it.
+
+        Read committed, the log shows a message only below the last stable offset: while a transaction
+        an instance began before it is open (its `Released` or `Acquired` rides with its results), the
+        publisher would not read its own assignment back, and would plan its next step, and report what
+        is in flight, from the one before. Assignments apply by epoch, so reading it later changes nothing.
+        """
+        with self._lock:
+            self.view = self.view.apply(msg)
+            return self.view
+
     def close(self) -> None:
         self._consumer.close()
         self._ends.close()

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from controller.assignment import Assignment, HandoffMode, Move
+from controller.assignment import Assignment, FinishedMove, HandoffMode, Move
 from controller.cli import app
 from controller.operator import LeaseElector, Operator, OperatorOptions, PidMover, serve_health
 from controller.policies.base import InstanceStats, PidStats, Snapshot
@@ -46,6 +46,7 @@ class RecordingMover:
     stats: dict[str, InstanceStats] = field(default_factory=dict)
     tuples: dict[int, int] = field(default_factory=dict)
     calls: list[tuple[str, Any]] = field(default_factory=list)
+    done: list[FinishedMove] = field(default_factory=list)
     ticks: int = 0
     closed: bool = False
 
@@ -63,6 +64,10 @@ class RecordingMover:
 
     def in_flight(self) -> Sequence[Move]:
         return tuple(self.moving)
+
+    def finished(self) -> Sequence[FinishedMove]:
+        done, self.done = self.done, []
+        return done
 
     def ready_instances(self) -> set[str]:
         return set(self.ready)
@@ -92,6 +97,7 @@ class RecordingMover:
     def complete(self) -> None:
         assert self.current is not None
         self.current = self.current.with_moves(self.moving)
+        self.done += [FinishedMove(m, self.current.epoch, m.target) for m in self.moving]
         self.moving.clear()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from controller.moves import Liveness, plan_step
+from controller.moves import Liveness, finished_moves, moves_in_flight, plan_step
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
@@ -199,7 +199,39 @@ def test_a_parallel_track_waits_for_a_third_instance_rather_than_share_one() -> 
     assert any("a parallel track needs two" in line for line in said)
 
 
-def view_step(view: ControlView) -> AssignmentMsg:
-    msg = step(view)
+def view_step(view: ControlView, liveness: Liveness = LIVE) -> AssignmentMsg:
+    msg = step(view, liveness)
+    assert msg is not None
+    return msg
+
+
+def test_a_move_finishes_once_when_the_target_has_acquired_it() -> None:
+    view = fold([START])
+    view = view.apply(view_step_with(view, [MOVE]))
+    in_transit = moves_in_flight(view)
+    assert [(m.pid, m.source, m.target) for m in in_transit] == [(1, "a", "b")]
+    released = view.apply(
+        ReleasedMsg(instance="a", epoch=1, pid=1, move_id="m1", cutoff={"A": 5, "B": 6}, snapshot=SNAP)
+    )
+    handed = released.apply(view_step(released))
+    assert finished_moves(in_transit, handed) == [], "handed over, not yet taken"
+    acquired = handed.apply(AcquiredMsg(instance="b", epoch=2, pid=1, move_id="m1"))
+    done = acquired.apply(view_step(acquired))
+    (finished,) = finished_moves(moves_in_flight(handed), done)
+    assert (finished.move.pid, finished.epoch, finished.owner, finished.completed) == (1, 3, "b", True)
+    assert finished_moves(moves_in_flight(done), done) == []
+
+
+def test_a_move_whose_source_died_finishes_as_abandoned() -> None:
+    view = fold([START])
+    view = view.apply(view_step_with(view, [MOVE]))
+    a_dead = Liveness(live={"b": "ib", "c": "ic"}, dead=frozenset({"a"}), incarnations={"a": "ia"})
+    recovered = view.apply(view_step(view, a_dead))
+    (finished,) = [f for f in finished_moves(moves_in_flight(view), recovered) if f.move.pid == 1]
+    assert finished.owner == "c" and not finished.completed, "recovered on the least loaded, not on b"
+
+
+def view_step_with(view: ControlView, requested: list[MoveSpec]) -> AssignmentMsg:
+    msg = step(view, requested=requested)
     assert msg is not None
     return msg
