@@ -364,12 +364,12 @@ def skew_config(
     seconds: float,
     instances: int,
     cpu: float,
-    keys: int | None = None,
+    key_seconds: float = 10.0,
 ) -> Config:
     """2-way, W = 10 s, P = 64; 20% of the pids carry 80% of the tuples and the hot pids change every
     60 s; each instance runs on `cpu` cores (a cgroup quota), so skew cannot hide in shared cores.
-    `keys` distinct keys (default: 10 s of one stream's input, at least 1,024, about two partners per
-    tuple): fewer keys make more results per tuple, a heavier join.
+    As many distinct keys as `key_seconds` of one stream's input (at least 1,024): a tuple has about
+    2 W / key_seconds partners on average, so a smaller value makes a heavier join at the same rate.
 
     The hot pids are contiguous, so under the static layout (contiguous pid ranges) they load one or
     two instances: with scattered hot pids each of 4 instances holds about its share of them, and the
@@ -388,7 +388,7 @@ def skew_config(
             "generator.rate": {"kind": "constant", "rate": per_stream},
             "generator.keys": {
                 "kind": "hot_pids",
-                "count": keys or max(1024, int(per_stream * 10)),
+                "count": max(1024, int(per_stream * key_seconds)),
                 "hot_fraction": 0.2,
                 "hot_share": 0.8,
                 "move_every_s": 60,
@@ -494,7 +494,7 @@ def run_skew_bench(
     seconds: float = 90,
     instances: int = 4,
     cpu: float = 0.45,
-    keys: int | None = None,
+    key_seconds: float = 10.0,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Both policies at each rate (ascending), side by side; stops a policy at its first failed rate."""
@@ -509,7 +509,7 @@ def run_skew_bench(
                 if earlier and not earlier[max(earlier)]["sustained"]:
                     continue
                 name = f"{run_id}-{policy}-{int(rate)}"
-                c = skew_config(cfg, name, rate, seconds, instances, cpu, keys)
+                c = skew_config(cfg, name, rate, seconds, instances, cpu, key_seconds)
                 earlier[rate] = measure_skew_point(c, bootstrap, work / name, policy, say)
         drop_run_topics(bootstrap, run_id, say)
     summary: dict[str, Any] = {}

@@ -415,13 +415,13 @@ def bench_skew(
     seconds: Annotated[float, typer.Option(help="Seconds of input per point.")] = 90,
     instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
     cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.45,
-    keys: Annotated[
-        int | None,
+    key_seconds: Annotated[
+        float,
         typer.Option(
-            help="Distinct join keys; fewer make more results per tuple. [default: 10 s of one stream's "
-            "input, at least 1,024]"
+            help="Distinct keys: this many seconds of one stream's input. Smaller makes more results per "
+            "tuple (about 2 W / key-seconds), a heavier join."
         ),
-    ] = None,
+    ] = 10.0,
 ) -> None:
     """Sustainable input rate and latency of the static and flux policies under moving skew."""
     from controller.bench import run_skew_bench
@@ -430,7 +430,7 @@ def bench_skew(
     say = _progress(json_)
     wanted = _numbers(rates, "--rates", float)
     try:
-        summary = run_skew_bench(cfg, wanted, seconds, instances, cpu, keys, say)
+        summary = run_skew_bench(cfg, wanted, seconds, instances, cpu, key_seconds, say)
     except _user_errors() as exc:
         fail(str(exc))
     compact = {p: {k: v for k, v in s.items() if k != "points"} for p, s in summary.items()}
