@@ -16,6 +16,7 @@ dead-letter topic through the same exactly-once sink instead of failing the quer
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -626,27 +627,39 @@ def _drop_consumer(bootstrap: str) -> None:
 
 
 def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> Iterator[pa.RecordBatch]:
-    """Read every range [start, end) exactly (all at once), decode in bulk, yield one batch per range."""
+    """Read every range [start, end) exactly (all at once), decode in bulk, yield one batch per range.
+
+    A partition may carry several ranges (a recovered parallel track's window rows, then its silent
+    rows, back to back): it is read once, from the first range's start to the last one's end, and each
+    message goes to the range that holds its offset.
+    """
     from confluent_kafka import KafkaError, TopicPartition
 
     from pipeline.codec import Malformation, MalformedRecord, decode_tuple_columns
     from pipeline.partitioning import pids_of
 
-    by_tp = {(r.topic, r.pid): r for r in ranges}
-    next_offset = {tp: r.start for tp, r in by_tp.items()}
-    cols: dict[tuple[str, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {tp: [] for tp in by_tp}
-    bad: dict[tuple[str, int], list[tuple[int, int]]] = {tp: [] for tp in by_tp}
-    pending = {tp for tp, r in by_tp.items() if r.end > r.start}
+    ranges = list(dict.fromkeys(ranges))
+    by_tp: dict[tuple[str, int], list[PidRange]] = {}
+    for r in sorted((r for r in ranges if r.end > r.start), key=lambda r: r.start):
+        by_tp.setdefault((r.topic, r.pid), []).append(r)
+    for (topic, pid), rs in by_tp.items():
+        if any(a.end > b.start for a, b in itertools.pairwise(rs)):
+            raise ValueError(f"overlapping ranges of {topic}[{pid}]: {rs}")
+    next_offset = {tp: rs[0].start for tp, rs in by_tp.items()}
+    last_end = {tp: rs[-1].end for tp, rs in by_tp.items()}
+    cols: dict[PidRange, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {r: [] for r in ranges}
+    bad: dict[PidRange, list[tuple[int, int]]] = {r: [] for r in ranges}
+    pending = set(by_tp)
     consumer = _range_consumer(bootstrap)
     clean = False
     try:
-        consumer.assign([TopicPartition(t, p, by_tp[(t, p)].start) for t, p in pending])
+        consumer.assign([TopicPartition(t, p, next_offset[(t, p)]) for t, p in pending])
         deadline = time.monotonic() + _READ_TIMEOUT_S
         while pending:
             if time.monotonic() > deadline:
                 late = sorted(pending)[:5]
                 raise TimeoutError(f"offsets not readable within {_READ_TIMEOUT_S:.0f} s, e.g. {late}")
-            remaining = sum(by_tp[tp].end - next_offset[tp] for tp in pending)
+            remaining = sum(last_end[tp] - next_offset[tp] for tp in pending)
             for msg in consumer.consume(num_messages=max(1, min(remaining, 10_000)), timeout=0.5):
                 topic, partition, off, value = msg.topic(), msg.partition(), msg.offset(), msg.value()
                 assert topic is not None and partition is not None
@@ -658,31 +671,33 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                         continue
                     raise RuntimeError(f"reading {tp}: {err}")
                 assert off is not None and value is not None
-                r = by_tp[tp]
-                if tp not in pending or off >= r.end:
+                if tp not in pending or off >= last_end[tp]:
                     pending.discard(tp)
                     continue
                 if off < next_offset[tp]:
                     continue  # never twice, whatever a reused consumer may still deliver
                 next_offset[tp] = off + 1
-                if off + 1 >= r.end:
+                if off + 1 >= last_end[tp]:
                     pending.discard(tp)
+                into = next((r for r in by_tp[tp] if r.start <= off < r.end), None)
+                if into is None:
+                    continue  # between two ranges
                 try:
                     ids, keys, ts = decode_tuple_columns(value)
-                    if len(keys) and (pids_of(keys, partitions) != r.pid).any():
+                    if len(keys) and (pids_of(keys, partitions) != into.pid).any():
                         raise MalformedRecord(Malformation.WRONG_PARTITION, "key of another pid")
-                    cols[tp].append((ids, keys, ts))
+                    cols[into].append((ids, keys, ts))
                 except MalformedRecord as exc:
-                    if not (r.window or r.silent):  # re-read: reported when first read
-                        bad[tp].append((off, int(exc.reason)))
+                    if not (into.window or into.silent):  # re-read: reported when first read
+                        bad[into].append((off, int(exc.reason)))
         consumer.unassign()  # drops whatever was fetched beyond the ranges
         clean = True
     finally:
         if not clean:
             _drop_consumer(bootstrap)
-    for tp, r in by_tp.items():
-        if cols[tp] or bad[tp]:
-            yield _to_arrow(r, cols[tp], bad[tp])
+    for r in ranges:
+        if cols[r] or bad[r]:
+            yield _to_arrow(r, cols[r], bad[r])
 
 
 def _to_arrow(
