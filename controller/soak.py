@@ -62,7 +62,9 @@ def soak_config(base: Config, pipeline: str, seconds: float) -> Config:
     )
 
 
-class _Watch:
+class Watch:
+    """Waits on the control log for a condition, failing fast when a pipeline process has crashed."""
+
     def __init__(self, pipeline: LocalPipeline) -> None:
         self.pipeline = pipeline
         self.log = ControlLog(pipeline.bootstrap, pipeline.cfg.control_topic)
@@ -91,12 +93,16 @@ def _acquired(move_ids: set[str]) -> Callable[[ControlView], bool]:
     return lambda v: move_ids <= set(v.acquired)
 
 
-def _evicted(name: str) -> Callable[[ControlView], bool]:
+def acquired_by(instance: str, pid: int) -> Callable[[ControlView], bool]:
+    return lambda v: any(a.instance == instance and a.pid == pid for a in v.acquired.values())
+
+
+def evicted(name: str) -> Callable[[ControlView], bool]:
     return lambda v: v.assignment is not None and any(e.startswith(f"{name}@") for e in v.assignment.evicted)
 
 
-def _rejoined(name: str) -> Callable[[ControlView], bool]:
-    return lambda v: v.assignment is not None and not _evicted(name)(v)
+def rejoined(name: str) -> Callable[[ControlView], bool]:
+    return lambda v: v.assignment is not None and not evicted(name)(v)
 
 
 def run_soak(
@@ -106,7 +112,7 @@ def run_soak(
     rng = random.Random(plan.seed)
     say(f"soak: seed {plan.seed}, pipeline {cfg.pipeline}, {plan.moves} moves")
     pipeline = LocalPipeline(cfg, bootstrap, work)
-    watch = _Watch(pipeline)
+    watch = Watch(pipeline)
     names = instance_names(cfg.instances)
     done = {"moves": 0, "controller_kills": 0, "instance_kills": 0, "rounds": 0}
     modes = plan.modes
@@ -156,9 +162,9 @@ def run_soak(
                 pipeline.kill(victim, signal.SIGKILL)
                 done["instance_kills"] += 1
 
-                watch.until(_evicted(victim), 90, f"the recovery of {victim}")
+                watch.until(evicted(victim), 90, f"the recovery of {victim}")
                 pipeline.start_instance(victim)
-                watch.until(_rejoined(victim), 120, f"{victim} rejoining")
+                watch.until(rejoined(victim), 120, f"{victim} rejoining")
                 say(f"soak: {victim} killed, its pids recovered, rejoined empty")
         say("soak: moves done; ending the input, waiting for the pipeline to drain")
         pipeline.end_input()
