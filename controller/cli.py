@@ -73,12 +73,17 @@ def _bootstrap(cfg: Config) -> str:
 
 
 @kafka_app.command("start")
-def kafka_start(port: Annotated[int, typer.Option(help="Client port.")] = 9092) -> None:
+def kafka_start(
+    port: Annotated[int, typer.Option(help="Client port.")] = 9092,
+    fresh: Annotated[
+        bool, typer.Option(help="Stop a running broker and delete its data (every topic) first.")
+    ] = False,
+) -> None:
     """Start the embedded broker (fetching Kafka jars into the cache the first time)."""
     from controller import kafka_runtime
 
     try:
-        print(kafka_runtime.start(port=port))
+        print(kafka_runtime.start(port=port, fresh=fresh))
     except kafka_runtime.KafkaRuntimeError as exc:
         fail(str(exc))
 
