@@ -20,6 +20,7 @@ Each repeat uses fresh topics; the summary holds the medians and the ratio of me
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 import uuid
@@ -342,19 +343,40 @@ def run_throughput_bench(
 # --- fluxjoin bench skew: static vs flux under skew that moves, each instance on a fixed CPU budget ---
 
 
-SKEW_TRIGGER_MS = 4000
-"""The skew benchmark's trigger: longer than an idle instance's micro-batch on its CPU budget (about
-2 s at 0.45 cores, measured), so that an idle instance idles and busy fractions tell it from a loaded
-one. With back-to-back batches every instance reads as fully busy and no policy can see the skew."""
-FLUX_SKEW_PARAMS = {"delta_s": 2 * SKEW_TRIGGER_MS / 1000, "delta_min_s": 2 * SKEW_TRIGGER_MS / 1000}
-"""Flux collects over two triggers at least: a shorter interval holds no batch of some instances."""
+IDLE_BATCH_CORE_S = 0.9
+"""CPU an idle instance's micro-batch costs in the skew benchmark's shape: about 2 s on a 0.45-core
+quota (measured, decision 0010)."""
 FLUX_SKEW_MODE = "parallel_track"
 """Flux's moves run as parallel tracks (PTLB): with triggers of 4 s a transfer pauses the moved pid, a
 hot one carrying many results, for about three triggers (measured: the flux p50 at 12,000 tuples/s
 rose above static's), while a parallel track never pauses it."""
-SUSTAINED_DRAIN_S = 10 + 2 * SKEW_TRIGGER_MS / 1000
-"""A rate is sustained when the backlog left at the end of the input drains within 10 s beyond the two
-triggers a keeping-up pipeline may need to show its last input done."""
+FLUX_SKEW_MOVES_PER_PAIR = 8
+"""Flux may move up to this many pids per pair and round (decision 0012): the hot set is 13 pids."""
+
+
+def skew_trigger_ms(cpu: float) -> int:
+    """The skew benchmark's trigger on a `cpu`-core budget: twice an idle instance's micro-batch,
+    rounded up to whole seconds (4 s at 0.45 cores, 8 s at 0.25), so that an idle instance idles
+    about half the time and busy fractions tell it from a loaded one. With back-to-back batches every
+    instance reads as fully busy and no policy can see the skew (measured at 0.25 cores and a 4 s
+    trigger: every instance read U = 1.0, and flux moved one pid in 90 s)."""
+    return 1000 * math.ceil(2 * IDLE_BATCH_CORE_S / cpu - 1e-9)
+
+
+def flux_skew_params(trigger_ms: int) -> dict[str, float]:
+    """Flux collects over two triggers at least (a shorter interval holds no batch of some instances)."""
+    two_triggers = 2 * trigger_ms / 1000
+    return {
+        "delta_s": two_triggers,
+        "delta_min_s": two_triggers,
+        "max_moves_per_pair": FLUX_SKEW_MOVES_PER_PAIR,
+    }
+
+
+def sustained_drain_s(trigger_ms: int) -> float:
+    """A rate is sustained when the backlog left at the end of the input drains within 10 s beyond the
+    two triggers a keeping-up pipeline may need to show its last input done."""
+    return 10 + 2 * trigger_ms / 1000
 
 
 def skew_config(
@@ -368,8 +390,9 @@ def skew_config(
 ) -> Config:
     """2-way, W = 10 s, P = 64; 20% of the pids carry 80% of the tuples and the hot pids change every
     60 s; each instance runs on `cpu` cores (a cgroup quota), so skew cannot hide in shared cores.
-    As many distinct keys as `key_seconds` of one stream's input (at least 1,024): a tuple has about
-    2 W / key_seconds partners on average, so a smaller value makes a heavier join at the same rate.
+    As many distinct keys as `key_seconds` of one stream's input (at least 8 per pid, so that every
+    pid has keys): a tuple has about 2 W / key_seconds partners on average whatever the rate, so a
+    smaller value makes a heavier join per tuple, and the work grows with the rate, not its square.
 
     The hot pids are contiguous, so under the static layout (contiguous pid ranges) they load one or
     two instances: with scattered hot pids each of 4 instances holds about its share of them, and the
@@ -388,7 +411,7 @@ def skew_config(
             "generator.rate": {"kind": "constant", "rate": per_stream},
             "generator.keys": {
                 "kind": "hot_pids",
-                "count": max(1024, int(per_stream * key_seconds)),
+                "count": max(8 * 64, int(per_stream * key_seconds)),
                 "hot_fraction": 0.2,
                 "hot_share": 0.8,
                 "move_every_s": 60,
@@ -396,7 +419,7 @@ def skew_config(
             },
             "instance.spark_master": "local[1]",
             "instance.shuffle_partitions": 2,
-            "instance.trigger_ms": SKEW_TRIGGER_MS,
+            "instance.trigger_ms": skew_trigger_ms(cpu),
             "instance.cpu_limit": cpu,
         },
     )
@@ -452,14 +475,15 @@ def measure_skew_point(
     cfg: Config, bootstrap: str, work: Path, policy: str, say: Callable[[str], None]
 ) -> dict[str, Any]:
     """One rate under one policy: sustainable when the backlog left at the end of the input drains
-    within SUSTAINED_DRAIN_S; latency percentiles over results after the first 20 s."""
+    within `sustained_drain_s`; latency percentiles over results after the first 20 s."""
 
     pipeline = LocalPipeline(cfg, bootstrap, work)
     follower = MetricsFollower(pipeline.cfg, bootstrap)
     records: list[dict[str, Any]] = []
     try:
         flux = policy == "flux"
-        params, mode = (FLUX_SKEW_PARAMS, FLUX_SKEW_MODE) if flux else (None, "transfer")
+        trigger_ms = cfg.instance.trigger_ms
+        params, mode = (flux_skew_params(trigger_ms), FLUX_SKEW_MODE) if flux else (None, "transfer")
         start_warm(pipeline, follower, records, policy, params, mode)
         started_ms = time.time() * 1000
         while pipeline.procs["generator"].poll() is None:
@@ -479,7 +503,7 @@ def measure_skew_point(
     p50, p99 = weighted_percentiles([r for r in steady if r["results"]], (50, 99))
     point = {
         "drain_s": round(drain_s, 1),
-        "sustained": drain_s <= SUSTAINED_DRAIN_S,
+        "sustained": drain_s <= sustained_drain_s(cfg.instance.trigger_ms),
         "latency_p50_s": p50,
         "latency_p99_s": p99,
         "moves": moves,

@@ -37,10 +37,18 @@ class PolicyMover(Protocol):
 
 
 def policy_params(name: str, mode: HandoffMode, **overrides: Any) -> Any:
-    """The policy's default parameters with `overrides` and the handoff mode its moves should use."""
+    """The policy's default parameters with `overrides` and the handoff mode its moves should use.
+
+    A whole-number override of an integer parameter becomes an int (command lines pass every value as
+    a float); any other value for one is refused rather than truncated."""
     params = POLICIES[name].default_params()
     if hasattr(params, "mode"):
         overrides["mode"] = mode
+    for key, value in overrides.items():
+        if isinstance(getattr(params, key, None), int) and isinstance(value, float):
+            if not value.is_integer():
+                raise ValueError(f"{key} must be a whole number, got {value}")
+            overrides[key] = int(value)
     return replace(params, **overrides)
 
 

@@ -14,6 +14,12 @@ The round, as the paper gives it:
 5. The next collection interval lasts as long as this round's move phase; if nothing moved, delta is
    halved, never below delta_min.
 
+Beyond the paper, `max_moves_per_pair` (default 1, the paper's rule) lets one pair move several pids in
+a round: after each chosen pid the walk goes on from the pair's estimated U_d', U_r', T_d', T_r' while a
+further move still reduces the estimated imbalance. The paper's rounds last milliseconds; a
+micro-batch engine's last two triggers or more, and a parallel track's move phase a window, so one pid
+per pair and round cannot follow a hot set of a dozen pids that moves (decision 0012).
+
 Where the text is not precise, this module chooses as follows:
 
 - *Imbalance* is the pair's utilization ratio max(U) / min(U): the paper calls the ratio "(i.e.
@@ -70,6 +76,8 @@ class FluxParams:
     delta_s: float = 1.0
     """The first round's collection interval; later rounds carry theirs in `Snapshot.interval_s`."""
     delta_min_s: float = 0.25
+    max_moves_per_pair: int = 1
+    """Pids one (donor, receiver) pair may move in a round; 1 is the paper's rule (decision 0012)."""
     mode: HandoffMode = HandoffMode.TRANSFER
 
     def __post_init__(self) -> None:
@@ -79,6 +87,8 @@ class FluxParams:
             raise ValueError(f"th_util must be in (0, 1], got {self.th_util}")
         if not 0.0 < self.delta_min_s <= self.delta_s:
             raise ValueError(f"need 0 < delta_min_s <= delta_s, got {self.delta_min_s}, {self.delta_s}")
+        if self.max_moves_per_pair < 1:
+            raise ValueError(f"max_moves_per_pair must be >= 1, got {self.max_moves_per_pair}")
 
 
 def imbalance(u_a: float, u_b: float) -> float:
@@ -144,7 +154,8 @@ class FluxPolicy:
         return FluxParams()
 
     def decide(self, snapshot: Snapshot, params: FluxParams) -> Decision:
-        """One round: at most one move per (donor, receiver) pair, stopping at the first failing pair."""
+        """One round: at most max_moves_per_pair moves per (donor, receiver) pair, stopping at the first
+        failing pair."""
         calm = interval_without_moves(snapshot.interval_s, params)
         ranked = sorted(snapshot.instances, key=lambda s: (-s.busy_fraction, s.instance))
         if len(ranked) < 2:
@@ -159,10 +170,9 @@ class FluxPolicy:
             if failure:
                 notes.append(f"stopped at {pair}: {failure}")
                 break
-            move, note = self._pick(snapshot, donor, receiver, params)
+            picked, note = self._pick(snapshot, donor, receiver, params)
             notes.append(f"{pair}: {note}")
-            if move is not None:
-                moves.append(move)
+            moves.extend(picked)
         reason = "flux: " + "; ".join(notes)
         if not moves:
             return no_change(reason, calm)
@@ -171,19 +181,21 @@ class FluxPolicy:
     @staticmethod
     def _pick(
         snapshot: Snapshot, donor: InstanceStats, receiver: InstanceStats, params: FluxParams
-    ) -> tuple[Move | None, str]:
-        """The donor's first pid (by N_pid descending, then pid) whose move reduces the pair's imbalance."""
+    ) -> tuple[list[Move], str]:
+        """The donor's pids to move, walked by N_pid descending (then pid): each one whose move reduces
+        the pair's estimated imbalance, up to max_moves_per_pair, the estimates carried from move to move."""
         donor_pids = snapshot.assignment.pids_of(donor.instance)
         t_d = sum(snapshot.tuples_of(pid) for pid in donor_pids)
         t_r = sum(snapshot.tuples_of(pid) for pid in snapshot.assignment.pids_of(receiver.instance))
         u_d, u_r = donor.busy_fraction, receiver.busy_fraction
         if t_d == 0:
-            return None, "donor processed no tuples"
-        before = imbalance(u_d, u_r)
+            return [], "donor processed no tuples"
+        chosen: list[str] = []
+        moves: list[Move] = []
         refused: list[str] = []
         for pid in sorted(donor_pids, key=lambda p: (-snapshot.tuples_of(p), p)):
             n_p = snapshot.tuples_of(pid)
-            if n_p == 0:
+            if n_p == 0 or len(moves) == params.max_moves_per_pair:
                 break
             if pid in snapshot.moves_in_flight:
                 refused.append(f"pid {pid} in flight")
@@ -194,14 +206,19 @@ class FluxPolicy:
             if u_r_after > 1.0:
                 refused.append(f"pid {pid} U_r' {u_r_after:.3f} > 1")
                 continue
-            after = imbalance(u_d_after, u_r_after)
-            if after < before:
-                move = Move(pid, donor.instance, receiver.instance, params.mode)
-                estimate = f"U {u_d:.3f}->{u_d_after:.3f}, {u_r:.3f}->{u_r_after:.3f}"
-                passed = f"; passed over {_listing(refused)}" if refused else ""
-                return move, f"move pid {pid} ({estimate}{passed})"
-            refused.append(f"pid {pid} imbalance {before:.3f}->{after:.3f}")
-        return None, f"no pid reduces the imbalance ({_listing(refused) or 'no candidate pids'})"
+            before, after = imbalance(u_d, u_r), imbalance(u_d_after, u_r_after)
+            if after >= before:
+                refused.append(f"pid {pid} imbalance {before:.3f}->{after:.3f}")
+                continue
+            moves.append(Move(pid, donor.instance, receiver.instance, params.mode))
+            chosen.append(f"pid {pid} (U {u_d:.3f}->{u_d_after:.3f}, {u_r:.3f}->{u_r_after:.3f})")
+            u_d, u_r, t_d, t_r = u_d_after, u_r_after, t_d - n_p, t_r + n_p
+            if t_d == 0:
+                break
+        if not moves:
+            return [], f"no pid reduces the imbalance ({_listing(refused) or 'no candidate pids'})"
+        passed = f"; passed over {_listing(refused)}" if refused else ""
+        return moves, f"move {', '.join(chosen)}{passed}"
 
 
 def _listing(refusals: list[str]) -> str:

@@ -114,6 +114,34 @@ def test_fig6_each_site_moves_or_receives_at_most_one_partition() -> None:
     assert len(decision.moves) <= len(FIG6) // 2
 
 
+HOT_DONOR = {
+    "hot": (1.0, {0: 30, 1: 30, 2: 30, 3: 10}),
+    "cold": (0.1, {4: 10}),
+}
+
+
+def test_several_moves_per_pair_carry_the_estimates_from_move_to_move() -> None:
+    """Pid 0 takes the pair from 10 to 1.75; pids 1 and 2 would leave it at 1.75 (0.4 against 0.7);
+    pid 3 brings it to 1.2 (0.6 against 0.5). One move per pair stops after pid 0."""
+    several = FLUX.decide(snapshot_of(HOT_DONOR), replace(PARAMS, max_moves_per_pair=4))
+    assert [(m.pid, m.source, m.target) for m in several.moves] == [(0, "hot", "cold"), (3, "hot", "cold")]
+    assert "pid 1 imbalance 1.750->1.750" in several.reason
+    assert [m.pid for m in FLUX.decide(snapshot_of(HOT_DONOR), PARAMS).moves] == [0]
+    capped = FLUX.decide(snapshot_of(HOT_DONOR), replace(PARAMS, max_moves_per_pair=1))
+    assert capped.moves == FLUX.decide(snapshot_of(HOT_DONOR), PARAMS).moves
+
+
+def test_several_moves_per_pair_leave_fig6_unchanged_where_one_move_balances() -> None:
+    """Fig. 6 with room for more: each pair moves only while the estimated imbalance still falls."""
+    decision = FLUX.decide(snapshot_of(FIG6), replace(PARAMS, max_moves_per_pair=8))
+    by_pair: dict[tuple[str, str], list[int]] = {}
+    for m in decision.moves:
+        by_pair.setdefault((m.source, m.target), []).append(m.pid)
+    assert by_pair[("site1", "site4")][0] == 5 and by_pair[("site2", "site3")][0] == 8
+    for m in decision.moves:
+        assert m.pid in FIG6[m.source][1]
+
+
 def test_in_flight_pids_are_skipped() -> None:
     """With 5 in flight, site 1 offers its next largest, 1 and 2 tie at 20 tuples: the lower pid goes."""
     decision = FLUX.decide(snapshot_of(FIG6, in_flight=frozenset({5})), PARAMS)
@@ -295,6 +323,7 @@ def test_delta_after_a_move_phase(move_phase_s: float, expected: float) -> None:
         pytest.param({"th_imb": 0.9}, id="th_imb-below-one"),
         pytest.param({"th_util": 0.0}, id="th_util-zero"),
         pytest.param({"delta_min_s": 2.0}, id="delta_min-above-delta"),
+        pytest.param({"max_moves_per_pair": 0}, id="no-moves-per-pair"),
     ],
 )
 def test_params_are_checked(kwargs: dict[str, float]) -> None:
@@ -372,33 +401,36 @@ def random_cluster(rng: random.Random) -> SimCluster:
     return SimCluster(capacity, load, initial_assignment(pids, ids))
 
 
+@pytest.mark.parametrize("per_pair", [1, 8])
 @pytest.mark.parametrize("seed", range(40))
-def test_converges_without_thrashing(seed: int) -> None:
-    """Round after round until balanced (max/min U < th_imb) or the policy finds no legal move.
+def test_converges_without_thrashing(seed: int, per_pair: int) -> None:
+    """Round after round until balanced (max/min U < th_imb) or the policy finds no legal move, with
+    the paper's one move per pair and with several (decision 0012).
 
     Heavy-tailed loads make some seeds end with no legal move above th_imb: an instance whose hottest pid
     would overload any receiver it is paired with, which is the paper's rule working as written.
     """
     print(f"seed={seed}")
+    params = replace(PARAMS, max_moves_per_pair=per_pair)
     rng = random.Random(seed)
     cluster = random_cluster(rng)
     partitions = len(cluster.load)
     max_rounds = partitions
     start = cluster.utilization()
-    interval, now = PARAMS.delta_s, 0.0
+    interval, now = params.delta_s, 0.0
     rounds = 0
     for _ in range(max_rounds):
         util = cluster.utilization()
-        balanced = max(util.values()) < PARAMS.th_imb * min(util.values())
-        decision = FLUX.decide(cluster.snapshot(now, interval), PARAMS)
+        balanced = max(util.values()) < params.th_imb * min(util.values())
+        decision = FLUX.decide(cluster.snapshot(now, interval), params)
         if balanced or not decision.moves:
             break
         cluster.apply(decision.moves)
         rounds += 1
         assert cluster.assignment.validate(partitions, cluster.capacity) == [], f"seed={seed}"
         move_phase = 0.05 * len(decision.moves)
-        interval = interval_after_move_phase(move_phase, PARAMS)
-        assert interval >= PARAMS.delta_min_s
+        interval = interval_after_move_phase(move_phase, params)
+        assert interval >= params.delta_min_s
         now += interval + move_phase
     else:
         pytest.fail(

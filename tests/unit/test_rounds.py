@@ -92,6 +92,13 @@ def test_a_short_move_phase_is_floored_at_delta_min() -> None:
     assert rounds.interval_s == 0.5
 
 
+def test_whole_number_overrides_of_integer_parameters_become_ints() -> None:
+    params = policy_params("flux", HandoffMode.TRANSFER, max_moves_per_pair=3.0)
+    assert params.max_moves_per_pair == 3 and isinstance(params.max_moves_per_pair, int)
+    with pytest.raises(ValueError, match="whole number"):
+        policy_params("flux", HandoffMode.TRANSFER, max_moves_per_pair=2.5)
+
+
 def test_a_dry_run_requests_nothing_and_keeps_its_rhythm() -> None:
     rounds = PolicyRounds.begin("flux", policy_params("flux", HandoffMode.TRANSFER), now_s=0.0)
     mover = Mover()

@@ -1,0 +1,29 @@
+"""The skew benchmark's settings: a trigger that leaves an idle instance idle time, keys in every pid."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.bench import flux_skew_params, skew_config, skew_trigger_ms, sustained_drain_s
+from pipeline.config import load_config
+
+
+@pytest.mark.parametrize(("cpu", "trigger_ms"), [(0.45, 4000), (0.25, 8000), (1.0, 2000), (0.3, 6000)])
+def test_the_trigger_is_twice_an_idle_batch_on_the_budget(cpu: float, trigger_ms: int) -> None:
+    assert skew_trigger_ms(cpu) == trigger_ms
+
+
+def test_flux_collects_over_two_triggers_and_a_rate_may_drain_in_two_more_plus_ten_seconds() -> None:
+    params = flux_skew_params(8000)
+    assert (params["delta_s"], params["delta_min_s"]) == (16.0, 16.0)
+    assert params["max_moves_per_pair"] > 1
+    assert sustained_drain_s(8000) == 26.0
+
+
+@pytest.mark.parametrize(
+    ("rate", "key_seconds", "keys"), [(4000, 1.0, 2000), (1000, 1.0, 512), (4000, 10, 20000)]
+)
+def test_keys_follow_the_rate_with_at_least_eight_per_pid(rate: float, key_seconds: float, keys: int) -> None:
+    cfg = skew_config(load_config(None), "p", rate, 90, 4, 0.25, key_seconds)
+    assert cfg.generator.keys.count == keys
+    assert cfg.instance.trigger_ms == 8000 and cfg.instance.cpu_limit == 0.25
