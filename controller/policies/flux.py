@@ -78,6 +78,10 @@ class FluxParams:
     delta_min_s: float = 0.25
     max_moves_per_pair: int = 1
     """Pids one (donor, receiver) pair may move in a round; 1 is the paper's rule (decision 0012)."""
+    donor_cost: bool = False
+    """Charge a moved pid to the receiver at the donor's cost per tuple, not the receiver's own (the
+    paper's). Right when instances are alike and tuples are not: a hot key's tuple joins many partners
+    (decision 0012)."""
     mode: HandoffMode = HandoffMode.TRANSFER
 
     def __post_init__(self) -> None:
@@ -100,7 +104,14 @@ def imbalance(u_a: float, u_b: float) -> float:
 
 
 def estimate_after_move(
-    u_d: float, t_d: int, u_r: float, t_r: int, n_p: int, f_d: float = 0.0, f_r: float = 0.0
+    u_d: float,
+    t_d: int,
+    u_r: float,
+    t_r: int,
+    n_p: int,
+    f_d: float = 0.0,
+    f_r: float = 0.0,
+    donor_cost: bool = False,
 ) -> tuple[float, float]:
     """(U_d', U_r') if a pid that processed n_p tuples moves from the donor to the receiver.
 
@@ -109,13 +120,13 @@ def estimate_after_move(
     (f_d + (U_d - f_d) (1 - N_p / T_d) and f_r + (U_r - f_r) (1 + N_p / T_r)). Charged per tuple, a
     lightly loaded receiver's fixed cost would make any hot pid look like an overload. With f = 0 this
     is the paper's estimate. When the receiver's cost per tuple is unknown (T_r = 0 or U_r = f_r) the
-    pid is charged at the donor's, U_r + (U_d - f_d) N_p / T_d.
+    pid is charged at the donor's, U_r + (U_d - f_d) N_p / T_d; with `donor_cost` it always is.
     """
     if t_d <= 0 or not 0 <= n_p <= t_d:
         raise ValueError(f"need 0 <= n_p <= t_d and t_d > 0, got n_p={n_p}, t_d={t_d}")
     u_d_after = f_d + (u_d - f_d) * (1.0 - n_p / t_d)
     receiver_cost_known = t_r > 0 and u_r > f_r
-    if receiver_cost_known:
+    if receiver_cost_known and not donor_cost:
         return u_d_after, f_r + (u_r - f_r) * (1.0 + n_p / t_r)
     return u_d_after, u_r + (u_d - f_d) * n_p / t_d
 
@@ -201,7 +212,7 @@ class FluxPolicy:
                 refused.append(f"pid {pid} in flight")
                 continue
             u_d_after, u_r_after = estimate_after_move(
-                u_d, t_d, u_r, t_r, n_p, donor.fixed_busy, receiver.fixed_busy
+                u_d, t_d, u_r, t_r, n_p, donor.fixed_busy, receiver.fixed_busy, params.donor_cost
             )
             if u_r_after > 1.0:
                 refused.append(f"pid {pid} U_r' {u_r_after:.3f} > 1")

@@ -131,6 +131,18 @@ def test_several_moves_per_pair_carry_the_estimates_from_move_to_move() -> None:
     assert capped.moves == FLUX.decide(snapshot_of(HOT_DONOR), PARAMS).moves
 
 
+def test_donor_cost_charges_the_receiver_what_the_pid_cost_the_donor() -> None:
+    """A receiver whose own tuples are cheap (U 0.3 for 100 of them) takes a hot pid (40 of the donor's
+    50 tuples, U 0.9): at its own cost per tuple 0.3 (1 + 40/100) = 0.42, at the donor's 0.3 + 0.72."""
+    paper = estimate_after_move(0.9, 50, 0.3, 100, 40)
+    donor = estimate_after_move(0.9, 50, 0.3, 100, 40, donor_cost=True)
+    assert paper == pytest.approx((0.18, 0.42))
+    assert donor == pytest.approx((0.18, 1.02))
+    sites = {"hot": (0.9, {0: 40, 1: 10}), "cold": (0.3, {2: 50, 3: 50})}
+    assert [m.pid for m in FLUX.decide(snapshot_of(sites), PARAMS).moves] == [0]
+    assert [m.pid for m in FLUX.decide(snapshot_of(sites), replace(PARAMS, donor_cost=True)).moves] == [1]
+
+
 def test_several_moves_per_pair_leave_fig6_unchanged_where_one_move_balances() -> None:
     """Fig. 6 with room for more: each pair moves only while the estimated imbalance still falls."""
     decision = FLUX.decide(snapshot_of(FIG6), replace(PARAMS, max_moves_per_pair=8))

@@ -92,11 +92,15 @@ def test_a_short_move_phase_is_floored_at_delta_min() -> None:
     assert rounds.interval_s == 0.5
 
 
-def test_whole_number_overrides_of_integer_parameters_become_ints() -> None:
+def test_command_line_floats_become_the_ints_and_bools_parameters_need() -> None:
     params = policy_params("flux", HandoffMode.TRANSFER, max_moves_per_pair=3.0)
     assert params.max_moves_per_pair == 3 and isinstance(params.max_moves_per_pair, int)
     with pytest.raises(ValueError, match="whole number"):
         policy_params("flux", HandoffMode.TRANSFER, max_moves_per_pair=2.5)
+    assert policy_params("flux", HandoffMode.TRANSFER, donor_cost=1.0).donor_cost is True
+    assert policy_params("flux", HandoffMode.TRANSFER, donor_cost=0.0).donor_cost is False
+    with pytest.raises(ValueError, match="yes"):
+        policy_params("flux", HandoffMode.TRANSFER, donor_cost=0.5)
 
 
 def test_a_dry_run_requests_nothing_and_keeps_its_rhythm() -> None:
@@ -136,7 +140,9 @@ def test_busy_fraction_is_batch_time_over_the_periods_the_batches_cover() -> Non
 
 
 def test_a_window_shorter_than_a_batch_reads_the_latest_batch_not_idle() -> None:
-    """`b`'s 4 s batches overrun a 1 s window: no batch of b ends in it, yet b is the busy one."""
+    """`b`'s 4 s batches overrun a 1 s window: no batch of b ends in it, yet b is the busy one. Tuple
+    counts are per interval at the rate of the batches that describe each instance (a's two batches
+    cover 2 s, b's one 4 s)."""
     batches = [
         _batch("a", 9.5, 0.2, 1.0, {0: 5, 1: 5}),
         _batch("a", 10.0, 0.2, 1.0, {0: 5, 1: 5}),
@@ -145,7 +151,7 @@ def test_a_window_shorter_than_a_batch_reads_the_latest_batch_not_idle() -> None
     snap = snapshot_of(batches, ["a", "b"], ASSIGNMENT, frozenset(), 10_000, 1.0, 10.0, None)
     busy = {i.instance: i.busy_fraction for i in snap.instances}
     assert busy == {"a": 0.2, "b": 1.0}
-    assert {p: s.tuples for p, s in snap.pids.items()} == {0: 10, 1: 10, 2: 400, 3: 10}
+    assert {p: s.tuples for p, s in snap.pids.items()} == {0: 5, 1: 5, 2: 100, 3: 2}
 
 
 def _timed(duration_s: float, tuples: int) -> dict[str, Any]:
