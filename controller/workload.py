@@ -36,7 +36,14 @@ SPEC_HASH_ANNOTATION = "fluxjoin.io/spec-hash"
 CHECKPOINT_VOLUME = "checkpoint"
 WORK_DIR = "/var/lib/fluxjoin/work"
 POLICY_FIELDS = {
-    "flux": {"thImb": "th_imb", "thUtil": "th_util", "deltaS": "delta_s", "deltaMinS": "delta_min_s"},
+    "flux": {
+        "thImb": "th_imb",
+        "thUtil": "th_util",
+        "deltaS": "delta_s",
+        "deltaMinS": "delta_min_s",
+        "maxMovesPerPair": "max_moves_per_pair",
+        "donorCost": "donor_cost",
+    },
     "memory": {"thetaD": "theta_d", "minSpanS": "min_span_s"},
 }
 """spec.policy.<name>.<field> -> the parameter of that policy it sets."""

@@ -219,7 +219,14 @@ def test_defaults_are_filled_in_by_the_server(kube: KubeCluster, namespace: str,
     assert spec["streams"] == ["A", "B", "C"]
     assert (spec["windowMs"], spec["partitions"], spec["replicas"]) == (10000, 64, 3)
     assert spec["policy"]["name"] == "flux"
-    assert spec["policy"]["flux"] == {"thImb": 1.2, "thUtil": 0.9, "deltaS": 1, "deltaMinS": 0.25}
+    assert spec["policy"]["flux"] == {
+        "thImb": 1.2,
+        "thUtil": 0.9,
+        "deltaS": 1,
+        "deltaMinS": 0.25,
+        "maxMovesPerPair": 1,
+        "donorCost": False,
+    }
     assert spec["handoffMode"] == "transfer"
     assert spec["checkpoint"] == {"size": "5Gi"}
 

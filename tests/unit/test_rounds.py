@@ -178,3 +178,18 @@ def test_the_snapshot_splits_utilization_into_fixed_and_per_tuple_parts() -> Non
     # The batches ending in the last 8 s (at 10, 14, 18 s): 6.09 s of 12 s; 3 x 2 s of that is fixed.
     assert a.busy_fraction == pytest.approx(6.09 / 12.0)
     assert a.fixed_busy == pytest.approx(6.0 / 12.0)
+
+
+def test_a_pipeline_objects_flux_fields_reach_the_policy() -> None:
+    """The CRD's integer and yes/no fields arrive as the policy's int and bool parameters."""
+    from controller.workload import PipelineSpec
+
+    obj = {
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+        "spec": {
+            "kafka": {"bootstrapServers": "kafka:9092"},
+            "policy": {"name": "flux", "flux": {"maxMovesPerPair": 4, "donorCost": True, "thImb": 1.5}},
+        },
+    }
+    params = PipelineSpec.from_object(obj).policy_params()
+    assert (params.max_moves_per_pair, params.donor_cost, params.th_imb) == (4, True, 1.5)
