@@ -18,7 +18,10 @@ Beyond the paper, `max_moves_per_pair` (default 1, the paper's rule) lets one pa
 a round: after each chosen pid the walk goes on from the pair's estimated U_d', U_r', T_d', T_r' while a
 further move still reduces the estimated imbalance. The paper's rounds last milliseconds; a
 micro-batch engine's last two triggers or more, and a parallel track's move phase a window, so one pid
-per pair and round cannot follow a hot set of a dozen pids that moves (decision 0012).
+per pair and round cannot follow a hot set of a dozen pids that moves (decision 0012). And beyond it,
+`donor_cost` charges a moved pid to the receiver at the donor's cost per tuple: the paper's estimate
+assumes every tuple costs alike on an instance, but a hot key's tuple joins many more partners than a
+cold one, while fluxjoin's instances are alike (pods of one StatefulSet).
 
 Where the text is not precise, this module chooses as follows:
 
