@@ -16,12 +16,13 @@ The round, as the paper gives it:
 
 Beyond the paper, `max_moves_per_pair` (default 1, the paper's rule) lets one pair move several pids in
 a round: after each chosen pid the walk goes on from the pair's estimated U_d', U_r', T_d', T_r' while a
-further move still reduces the estimated imbalance. The paper's rounds last milliseconds; a
-micro-batch engine's last two triggers or more, and a parallel track's move phase a window, so one pid
-per pair and round cannot follow a hot set of a dozen pids that moves (decision 0012). And beyond it,
-`donor_cost` charges a moved pid to the receiver at the donor's cost per tuple: the paper's estimate
-assumes every tuple costs alike on an instance, but a hot key's tuple joins many more partners than a
-cold one, while fluxjoin's instances are alike (pods of one StatefulSet).
+further move still reduces the estimated imbalance, until that imbalance is below th_imb. The paper's
+rounds last milliseconds; a micro-batch engine's last two triggers or more, and a parallel track's move
+phase a window, so one pid per pair and round cannot follow a hot set of a dozen pids that moves
+(decision 0012). Also beyond it, `donor_cost` charges a moved pid to the receiver at the donor's cost
+per tuple: the paper's estimate assumes every tuple costs alike on an instance, but a hot key's tuple
+joins many more partners than a cold one, while fluxjoin's instances are alike (pods of one
+StatefulSet).
 
 Where the text is not precise, this module chooses as follows:
 
@@ -227,8 +228,8 @@ class FluxPolicy:
             moves.append(Move(pid, donor.instance, receiver.instance, params.mode))
             chosen.append(f"pid {pid} (U {u_d:.3f}->{u_d_after:.3f}, {u_r:.3f}->{u_r_after:.3f})")
             u_d, u_r, t_d, t_r = u_d_after, u_r_after, t_d - n_p, t_r + n_p
-            if t_d == 0:
-                break
+            if t_d == 0 or after < params.th_imb:
+                break  # balanced by the policy's own test: further moves would only shuffle small pids
         if not moves:
             return [], f"no pid reduces the imbalance ({_listing(refused) or 'no candidate pids'})"
         passed = f"; passed over {_listing(refused)}" if refused else ""

@@ -131,6 +131,14 @@ def test_several_moves_per_pair_carry_the_estimates_from_move_to_move() -> None:
     assert capped.moves == FLUX.decide(snapshot_of(HOT_DONOR), PARAMS).moves
 
 
+def test_several_moves_per_pair_stop_once_the_pair_is_balanced() -> None:
+    """Pid 1 takes the pair to 0.767 / 0.6 = 1.28, pid 2 to 0.721 / 0.62 = 1.16 < th_imb: the walk
+    stops there, though pid 4 would take it to 1.11 (pid 0 is too big: 0.302 against 0.8)."""
+    sites = {"hot": (1.0, {0: 30, 1: 10, 2: 2, 4: 1}), "cold": (0.5, {3: 50})}
+    decision = FLUX.decide(snapshot_of(sites), replace(PARAMS, max_moves_per_pair=8))
+    assert [m.pid for m in decision.moves] == [1, 2]
+
+
 def test_donor_cost_charges_the_receiver_what_the_pid_cost_the_donor() -> None:
     """A receiver whose own tuples are cheap (U 0.3 for 100 of them) takes a hot pid (40 of the donor's
     50 tuples, U 0.9): at its own cost per tuple 0.3 (1 + 40/100) = 0.42, at the donor's 0.3 + 0.72."""
