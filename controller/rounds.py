@@ -102,6 +102,28 @@ def split_busy(described: Sequence[dict[str, Any]], history: Sequence[dict[str, 
     return busy, min(busy, fixed)
 
 
+def demand(history: Sequence[dict[str, Any]], count: int) -> float | None:
+    """The time the last `count` batches of `history` (oldest first) took over the time their input
+    took to arrive; None if unknown.
+
+    A batch reads what arrived while the batch before it ran and idled, so its input arrived over its
+    predecessor's period (the first batch at hand stands in for its own). While an instance keeps up,
+    this equals its busy fraction; when it falls behind, each batch takes longer than its input took to
+    arrive and the figure exceeds 1, where a busy fraction stops (decision 0012).
+    """
+    if count <= 0 or not history:
+        return None
+    took = arrived = 0.0
+    start = len(history) - count
+    for k in range(max(start, 0), len(history)):
+        source = history[k - 1] if k > 0 else history[k]
+        if source["busy"] <= 0:
+            continue
+        took += history[k]["duration_s"]
+        arrived += source["duration_s"] / source["busy"]
+    return took / arrived if arrived > 0 else None
+
+
 def described_by(history: Sequence[dict[str, Any]], since_ms: float) -> list[dict[str, Any]]:
     """The batches of one instance's `history` (oldest first) that ended at or after `since_ms`, else
     its latest batch: an instance with none ending in the interval is inside a longer batch (a loaded
@@ -152,6 +174,7 @@ def snapshot_of(
             instance=i,
             busy_fraction=busy[i][0],
             fixed_busy=busy[i][1],
+            demand=demand(history[i], len(described[i])),
             state_bytes=sum(v for p, v in state[i].items() if owned.get(p) == i),
         )
         for i in sorted(live)

@@ -28,7 +28,9 @@ class InstanceStats:
     busy_fraction is Flux's U_j = 1 - I_j / delta, already computed by the observer (0 = idle all the
     interval, 1 = never idle). fixed_busy is the part of it a micro-batch costs whatever its input (0 when
     unknown, the paper's model where all of U scales with the tuples). state_bytes is M_j, the memory
-    its windows hold now; memory_limit_bytes is what it may hold (0 when unknown).
+    its windows hold now; memory_limit_bytes is what it may hold (0 when unknown). demand is the time its
+    batches took over the time their input took to arrive: equal to busy_fraction while the instance
+    keeps up, above 1 when it falls behind, where busy_fraction stops at 1 (None when unknown).
     """
 
     instance: str
@@ -36,6 +38,12 @@ class InstanceStats:
     state_bytes: int
     memory_limit_bytes: int = 0
     fixed_busy: float = 0.0
+    demand: float | None = None
+
+    @property
+    def load(self) -> float:
+        """Flux's U: the demand when measured (it can exceed 1), else the busy fraction."""
+        return self.busy_fraction if self.demand is None else self.demand
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.busy_fraction <= 1.0 or math.isnan(self.busy_fraction):
@@ -44,6 +52,8 @@ class InstanceStats:
             raise ValueError(
                 f"{self.instance}: fixed_busy must be in [0, busy_fraction], got {self.fixed_busy}"
             )
+        if self.demand is not None and not self.demand >= 0.0:
+            raise ValueError(f"{self.instance}: demand must be >= 0, got {self.demand}")
         if self.state_bytes < 0 or self.memory_limit_bytes < 0:
             raise ValueError(f"{self.instance}: byte counts must be >= 0")
 

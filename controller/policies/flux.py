@@ -36,6 +36,11 @@ Where the text is not precise, this module chooses as follows:
   Because the pairs are sorted, the three tests are monotone along them (later donors are less utilized,
   later receivers more), so after the first failure no later pair could pass anyway.
 - A pid refused because U_r' > 1 is skipped and the walk goes on: a smaller pid may still fit.
+- U is `InstanceStats.load`: the instance's demand when the observer measured it (its batches' time
+  over the time their input took to arrive), else its busy fraction. The two agree while an instance
+  keeps up; a busy fraction stops at 1, so an instance given twice what it can process would look
+  barely busier than an idle one whose fixed per-batch cost fills half its time (measured: 0.85
+  against 0.65), and Flux would move one or two pids where the demand needs several (decision 0012).
 - The estimates scale only the part of U that grows with the tuples. A micro-batch costs a fixed
   amount whatever its input (`InstanceStats.fixed_busy`, estimated by the observer, decision 0010); the
   paper's operator has no such cost, and charging it per tuple makes a lightly loaded receiver look
@@ -149,7 +154,7 @@ def threshold_failure(
     donor: InstanceStats, receiver: InstanceStats, mean_u: float, params: FluxParams
 ) -> str:
     """Why the pair fails the paper's threshold test, or "" if it passes."""
-    u_d, u_r = donor.busy_fraction, receiver.busy_fraction
+    u_d, u_r = donor.load, receiver.load
     if u_d < mean_u:
         return f"U_d {u_d:.3f} < mean U {mean_u:.3f}"
     ratio = imbalance(u_d, u_r)
@@ -172,10 +177,10 @@ class FluxPolicy:
         """One round: at most max_moves_per_pair moves per (donor, receiver) pair, stopping at the first
         failing pair."""
         calm = interval_without_moves(snapshot.interval_s, params)
-        ranked = sorted(snapshot.instances, key=lambda s: (-s.busy_fraction, s.instance))
+        ranked = sorted(snapshot.instances, key=lambda s: (-s.load, s.instance))
         if len(ranked) < 2:
             return no_change("flux: fewer than two live instances", calm)
-        mean_u = sum(s.busy_fraction for s in ranked) / len(ranked)
+        mean_u = sum(s.load for s in ranked) / len(ranked)
         moves: list[Move] = []
         notes: list[str] = []
         for i in range(len(ranked) // 2):
@@ -202,7 +207,7 @@ class FluxPolicy:
         donor_pids = snapshot.assignment.pids_of(donor.instance)
         t_d = sum(snapshot.tuples_of(pid) for pid in donor_pids)
         t_r = sum(snapshot.tuples_of(pid) for pid in snapshot.assignment.pids_of(receiver.instance))
-        u_d, u_r = donor.busy_fraction, receiver.busy_fraction
+        u_d, u_r = donor.load, receiver.load
         if t_d == 0:
             return [], "donor processed no tuples"
         chosen: list[str] = []

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 
 from controller.assignment import Assignment, HandoffMode, Move
-from controller.policies import InstanceStats, PidStats, Snapshot
+from controller.policies import POLICIES, InstanceStats, PidStats, Snapshot
 from controller.rounds import (
     FIRST_ROUND_DELAY_S,
     PolicyRounds,
     busy_fraction,
+    demand,
     fixed_cost_s,
     policy_params,
     snapshot_of,
@@ -193,3 +194,32 @@ def test_a_pipeline_objects_flux_fields_reach_the_policy() -> None:
     }
     params = PipelineSpec.from_object(obj).policy_params()
     assert (params.max_moves_per_pair, params.donor_cost, params.th_imb) == (4, True, 1.5)
+
+
+def test_demand_is_the_busy_fraction_while_keeping_up_and_exceeds_one_when_falling_behind() -> None:
+    keeping_up = [_batch("a", t, 4.0, 8.0, {0: 100}) for t in (8, 16, 24)]
+    assert demand(keeping_up, 2) == pytest.approx(0.5) == busy_fraction(keeping_up[-2:])
+    # Back to back, each batch twice as long as the one before: its input took half as long to arrive.
+    behind = [_batch("b", t, d, d, {2: 100}) for t, d in ((10, 10.0), (30, 20.0), (70, 40.0))]
+    assert demand(behind, 2) == pytest.approx((20 + 40) / (10 + 20))
+    assert busy_fraction(behind[-2:]) == 1.0
+    assert demand(behind, 1) == pytest.approx(2.0)
+    assert demand([], 1) is None and demand(behind, 0) is None
+
+
+def test_the_snapshot_carries_each_instances_demand_and_flux_ranks_by_it() -> None:
+    """`a` keeps up at U 0.6; `b` reads busy 1.0 but its demand is 2: flux sees a ratio of 3.3, not 1.7,
+    and moves b's small pid (charged about 2.0 x 100 / 600 at the donor's cost; the large one would
+    overload a)."""
+    batches = [
+        *(_batch("a", t, 4.8, 8.0, {0: 50, 1: 50}) for t in (8, 16, 24)),
+        *(_batch("b", t, d, d, {2: 500, 3: 100}) for t, d in ((6, 6.0), (18, 12.0))),
+    ]
+    snap = snapshot_of(batches, ["a", "b"], ASSIGNMENT, frozenset(), 24_000, 16.0, 24.0, None)
+    stats = {i.instance: i for i in snap.instances}
+    assert stats["a"].load == pytest.approx(0.6) and stats["b"].busy_fraction == 1.0
+    assert stats["b"].load == pytest.approx(2.0)
+    params = policy_params("flux", HandoffMode.TRANSFER, donor_cost=True)
+    decision = POLICIES["flux"].decide(snap, params)
+    assert [(m.pid, m.source, m.target) for m in decision.moves] == [(3, "b", "a")]
+    assert "U 2.000->1.667, 0.600->0.932" in decision.reason
