@@ -404,12 +404,12 @@ def skew_config(
     The hot pids are contiguous, so under the static layout (contiguous pid ranges) they load one or
     two instances: with scattered hot pids each of 4 instances holds about its share of them, and the
     static layout is balanced by construction."""
-    per_stream = rate / 2
+    per_stream, partitions = rate / 2, 64
     return base.with_overrides(
         pipeline=pipeline,
         streams=["A", "B"],
         window_ms=10_000,
-        partitions=64,
+        partitions=partitions,
         instances=instances,
         **{
             "generator.mode": "real_time",
@@ -418,7 +418,7 @@ def skew_config(
             "generator.rate": {"kind": "constant", "rate": per_stream},
             "generator.keys": {
                 "kind": "hot_pids",
-                "count": max(8 * 64, int(per_stream * key_seconds)),
+                "count": max(8 * partitions, int(per_stream * key_seconds)),
                 "hot_fraction": 0.2,
                 "hot_share": 0.8,
                 "move_every_s": 60,
@@ -487,9 +487,9 @@ def measure_skew_point(
     pipeline = LocalPipeline(cfg, bootstrap, work)
     follower = MetricsFollower(pipeline.cfg, bootstrap)
     records: list[dict[str, Any]] = []
+    trigger_ms = cfg.instance.trigger_ms
     try:
         flux = policy == "flux"
-        trigger_ms = cfg.instance.trigger_ms
         params, mode = (flux_skew_params(trigger_ms), FLUX_SKEW_MODE) if flux else (None, "transfer")
         start_warm(pipeline, follower, records, policy, params, mode)
         started_ms = time.time() * 1000
@@ -510,7 +510,7 @@ def measure_skew_point(
     p50, p99 = weighted_percentiles([r for r in steady if r["results"]], (50, 99))
     point = {
         "drain_s": round(drain_s, 1),
-        "sustained": drain_s <= sustained_drain_s(cfg.instance.trigger_ms),
+        "sustained": drain_s <= sustained_drain_s(trigger_ms),
         "latency_p50_s": p50,
         "latency_p99_s": p99,
         "moves": moves,
