@@ -233,10 +233,10 @@ def _publish(
     ), said
 
 
-def moves_in_flight(view: ControlView) -> list[Move]:
-    """Moves being released, handoffs being taken and parallel tracks (the source still holds the
-    pid's old tuples); a handoff's source is the instance that released the pid, or "?" for the
-    recovery of a dead instance (nothing was released)."""
+def moves_cutting_over(view: ControlView) -> list[Move]:
+    """Moves whose pid has not reached its new owner yet: being released, or handed off and not yet
+    acquired. A handoff's source is the instance that released the pid, or "?" for the recovery of a
+    dead instance (nothing was released)."""
     a = view.assignment
     if a is None:
         return []
@@ -245,9 +245,17 @@ def moves_in_flight(view: ControlView) -> list[Move]:
         if p in a.owners:
             released = view.released.get(h.move_id)
             moves.append(Move(p, released.instance if released else "?", a.owners[p], h.mode))
-    listed = {m.pid for m in moves}
-    moves += [Move(p, m.source, m.target, m.mode) for p, m in a.tracks.items() if p not in listed]
     return moves
+
+
+def moves_in_flight(view: ControlView) -> list[Move]:
+    """`moves_cutting_over` and the parallel tracks whose source still holds the pid's old tuples."""
+    moves = moves_cutting_over(view)
+    if view.assignment is None:
+        return moves
+    listed = {m.pid for m in moves}
+    tracks = view.assignment.tracks.items()
+    return moves + [Move(p, m.source, m.target, m.mode) for p, m in tracks if p not in listed]
 
 
 def finished_moves(before: Sequence[Move], after: ControlView) -> list[FinishedMove]:
@@ -377,6 +385,9 @@ class KafkaPidMover:
 
     def in_flight(self) -> Sequence[Move]:
         return moves_in_flight(self.log.catch_up())
+
+    def cutting_over(self) -> Sequence[Move]:
+        return moves_cutting_over(self.log.catch_up())
 
     def finished(self) -> Sequence[FinishedMove]:
         """Moves that left `in_flight()` in this mover's steps since the last call, each returned once."""

@@ -85,6 +85,10 @@ class PidMover(Protocol):
         """Moves requested and not yet complete."""
         ...
 
+    def cutting_over(self) -> Sequence[Move]:
+        """Moves of `in_flight()` whose pid has not reached its new owner yet (no parallel track's tail)."""
+        ...
+
     def finished(self) -> Sequence[FinishedMove]:
         """Moves that left `in_flight()` since the last call, each returned once."""
         ...

@@ -5,13 +5,19 @@ collection interval, the time of the last adaptation, a move phase in progress) 
 local controller (`controller.runner`) and the Kubernetes operator (`controller.operator`) run a policy
 the same way. `tick` never blocks: a caller ticks it from its own loop, and a round whose moves are still
 in flight (Flux's move phase) simply ends when they have completed.
+
+A move phase ends when every moved pid has reached its new owner. A parallel track's tail (the source
+finishing the pid's old tuples, which lasts a window after the cutoff and longer when the source is
+behind) does not hold up the next round: its pid stays out of the policy's reach until the tail ends
+(`Snapshot.moves_in_flight`), and the snapshot charges each pid's work to its owner of record
+(`snapshot_of`), so the work moved away is not counted twice (decision 0013).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -27,7 +33,9 @@ MIN_INTERVAL_S = 0.25
 class PolicyMover(Protocol):
     """What a policy round needs from whoever carries out moves."""
 
-    def in_flight(self) -> Sequence[Move]: ...
+    def cutting_over(self) -> Sequence[Move]:
+        """Moves whose pid has not reached its new owner yet; a parallel track's tail is not one."""
+        ...
 
     def request(self, moves: Sequence[Move]) -> None: ...
 
@@ -131,6 +139,38 @@ def described_by(history: Sequence[dict[str, Any]], since_ms: float) -> list[dic
     return [b for b in history if b["time_ms"] >= since_ms] or list(history[-1:])
 
 
+def charged_to_owners(
+    loads: Mapping[str, float],
+    fixed: Mapping[str, float],
+    processed: Mapping[str, Mapping[int, float]],
+    owners: Mapping[int, str],
+) -> dict[str, float]:
+    """Each instance's load with the work its batches did charged to each pid's owner of record.
+
+    `loads` are Flux's U per instance (demand or busy fraction), `fixed` the part of each that a
+    batch costs whatever its input, `processed[i][p]` the tuples instance i processed for pid p. An
+    instance's cost per tuple is its variable load over the tuples it processed. Work it did for a pid
+    it no longer owns (a parallel track's old tuples, batches read before it released the pid) leaves
+    its load; work another did for a pid it now owns joins it, at that other's cost per tuple. Without
+    moves every pid is processed by its owner and the loads are unchanged. This lets a round run while
+    a parallel track's tail is in flight without counting the moved work on both sides (decision 0013).
+    """
+    cost = {}
+    for i, load in loads.items():
+        total = sum(processed.get(i, {}).values())
+        cost[i] = max(load - fixed.get(i, 0.0), 0.0) / total if total > 0 else 0.0
+    charged = dict(loads)
+    for i, counts in processed.items():
+        for p, n in counts.items():
+            owner = owners.get(p)
+            if owner == i:
+                continue
+            charged[i] -= cost[i] * n
+            if owner in charged:
+                charged[owner] += cost[i] * n
+    return {i: max(v, fixed.get(i, 0.0)) for i, v in charged.items()}
+
+
 def snapshot_of(
     batches: list[dict[str, Any]],
     live: list[str],
@@ -145,10 +185,11 @@ def snapshot_of(
     each one's latest batch, `described_by`); the fixed cost of an instance's batches is fitted on all
     its records at hand (the observer keeps two minutes).
 
-    A pid's tuples are its instance's count scaled to `interval_s` by the periods its described
+    A pid's tuples are its instances' counts scaled to `interval_s` by the periods their described
     batches cover: a loaded instance's one batch may cover a minute while an idle one's cover the
     interval, and Flux's estimates compare a donor's pid with the receiver's total (measured: a hot
-    pid's 66 s of tuples against the receiver's 16 s made its move look 7 times too costly)."""
+    pid's 66 s of tuples against the receiver's 16 s made its move look 7 times too costly). An
+    instance's demand is charged to the owners of record (`charged_to_owners`)."""
     since = now_ms - interval_s * 1000
     history: dict[str, list[dict[str, Any]]] = {i: [] for i in live}
     state: dict[str, dict[int, int]] = {i: {} for i in live}
@@ -160,21 +201,32 @@ def snapshot_of(
             state[name][int(p)] = s["state_bytes"]  # newest record wins
         history[name].append(b)
     described = {i: described_by(history[i], since) for i in live}
-    tuples: dict[int, float] = {}
-    for own in described.values():
+    processed: dict[str, dict[int, float]] = {i: {} for i in live}
+    for i, own in described.items():
         period = _period_s(own)
         per_interval = interval_s / period if period > 0 else 1.0
         for b in own:
             for p, s in b["pids"].items():
-                tuples[int(p)] = tuples.get(int(p), 0.0) + s["in"] * per_interval
+                processed[i][int(p)] = processed[i].get(int(p), 0.0) + s["in"] * per_interval
+    tuples: dict[int, float] = {}
+    for counts in processed.values():
+        for p, n in counts.items():
+            tuples[p] = tuples.get(p, 0.0) + n
     busy = {i: split_busy(described[i], history[i]) for i in live}
     owned = {p: o for p, o in assignment.owners.items() if o in history}
+    loads = {i: demand(history[i], len(described[i])) for i in live}
+    charged = charged_to_owners(
+        {i: busy[i][0] if d is None else d for i, d in loads.items()},
+        {i: busy[i][1] for i in live},
+        processed,
+        owned,
+    )
     instances = tuple(
         InstanceStats(
             instance=i,
             busy_fraction=busy[i][0],
             fixed_busy=busy[i][1],
-            demand=demand(history[i], len(described[i])),
+            demand=charged[i],
             state_bytes=sum(v for p, v in state[i].items() if owned.get(p) == i),
         )
         for i in sorted(live)
@@ -221,7 +273,7 @@ class PolicyRounds:
         """
         now = time.monotonic() if now_s is None else now_s
         if self.move_phase_since_s is not None:
-            if mover.in_flight():
+            if mover.cutting_over():
                 return None
             floor = float(getattr(self.params, "delta_min_s", MIN_INTERVAL_S))
             self._next_in(max(now - self.move_phase_since_s, floor), now)

@@ -30,7 +30,9 @@ class InstanceStats:
     unknown, the paper's model where all of U scales with the tuples). state_bytes is M_j, the memory
     its windows hold now; memory_limit_bytes is what it may hold (0 when unknown). demand is the time its
     batches took over the time their input took to arrive: equal to busy_fraction while the instance
-    keeps up, above 1 when it falls behind, where busy_fraction stops at 1 (None when unknown).
+    keeps up, above 1 when it falls behind, where busy_fraction stops at 1 (None when unknown). The
+    observer charges it to the pids' owners of record: work done for a pid since moved away counts
+    for its new owner (`controller.rounds.charged_to_owners`).
     """
 
     instance: str

@@ -65,6 +65,9 @@ class RecordingMover:
     def in_flight(self) -> Sequence[Move]:
         return tuple(self.moving)
 
+    def cutting_over(self) -> Sequence[Move]:
+        return tuple(self.moving)
+
     def finished(self) -> Sequence[FinishedMove]:
         done, self.done = self.done, []
         return done

@@ -14,6 +14,7 @@ from controller.rounds import (
     FIRST_ROUND_DELAY_S,
     PolicyRounds,
     busy_fraction,
+    charged_to_owners,
     demand,
     fixed_cost_s,
     policy_params,
@@ -28,11 +29,14 @@ class Mover:
     """Serves a fixed imbalance: "a" busy with two pids, "b" idle."""
 
     moving: list[Move] = field(default_factory=list)
+    """Moves cutting over: their pid has not reached its new owner."""
+    tails: list[Move] = field(default_factory=list)
+    """Parallel tracks past their cutover, the source still finishing the old tuples."""
     requested: list[Move] = field(default_factory=list)
     snapshots: list[tuple[float, float | None]] = field(default_factory=list)
     assignment: Assignment | None = ASSIGNMENT
 
-    def in_flight(self) -> Sequence[Move]:
+    def cutting_over(self) -> Sequence[Move]:
         return self.moving
 
     def request(self, moves: Sequence[Move]) -> None:
@@ -53,7 +57,7 @@ class Mover:
                 3: PidStats(pid=3, tuples=50, state_bytes=50, results=0),
             },
             assignment=self.assignment,
-            moves_in_flight=frozenset(m.pid for m in self.moving),
+            moves_in_flight=frozenset(m.pid for m in self.moving + self.tails),
             interval_s=interval_s,
             last_adaptation_s=last_adaptation_s,
         )
@@ -81,6 +85,20 @@ def test_flux_waits_out_the_move_phase_and_makes_it_the_next_interval() -> None:
     assert rounds.interval_s == 3.0 and rounds.next_round_s == 16.0
     rounds.tick(mover, now_s=16.0)
     assert mover.snapshots[-1] == (3.0, 10.0)
+
+
+def test_a_parallel_tracks_tail_does_not_hold_up_the_next_round() -> None:
+    """Once the moved pid reached its receiver the phase is over, though the source still finishes
+    the pid's old tuples; the next round runs and leaves that pid alone."""
+    rounds = PolicyRounds.begin("flux", policy_params("flux", HandoffMode.PARALLEL_TRACK), now_s=0.0)
+    mover = Mover()
+    first = rounds.tick(mover, now_s=10.0)
+    assert first is not None and first.moves
+    mover.tails, mover.moving = mover.moving, []
+    assert rounds.tick(mover, now_s=12.0) is None, "the phase ends; the next round collects first"
+    second = rounds.tick(mover, now_s=12.0 + rounds.interval_s)
+    assert second is not None, "a round runs while the tail is in flight"
+    assert not {m.pid for m in first.moves} & {m.pid for m in second.moves}, "the tail's pid stays put"
 
 
 def test_a_short_move_phase_is_floored_at_delta_min() -> None:
@@ -223,3 +241,29 @@ def test_the_snapshot_carries_each_instances_demand_and_flux_ranks_by_it() -> No
     decision = POLICIES["flux"].decide(snap, params)
     assert [(m.pid, m.source, m.target) for m in decision.moves] == [(3, "b", "a")]
     assert "U 2.000->1.667, 0.600->0.932" in decision.reason
+
+
+def test_work_is_charged_to_the_owner_of_record() -> None:
+    """`a` processed pid 0 (900 tuples) and pid 1 (100) at 0.001 per tuple over a fixed 0.1, and has
+    since handed pid 0 to `b`: that work leaves a and joins b at a's cost per tuple."""
+    loads, fixed = {"a": 1.1, "b": 0.2}, {"a": 0.1, "b": 0.1}
+    processed = {"a": {0: 900.0, 1: 100.0}, "b": {2: 100.0}}
+    charged = charged_to_owners(loads, fixed, processed, {0: "b", 1: "a", 2: "b"})
+    assert charged == pytest.approx({"a": 0.2, "b": 1.1})
+    unmoved = charged_to_owners(loads, fixed, processed, {0: "a", 1: "a", 2: "b"})
+    assert unmoved == pytest.approx(loads), "without moves the loads are unchanged"
+    in_transit = charged_to_owners(loads, fixed, processed, {1: "a", 2: "b"})
+    assert in_transit == pytest.approx({"a": 0.2, "b": 0.2}), "a pid in transit is nobody's"
+
+
+def test_the_snapshot_charges_a_moved_pids_work_to_its_new_owner() -> None:
+    """Pid 0 moved from `a` to `b` by parallel track: a's batches still show its tuples."""
+    batches = [
+        _batch("a", 10.0, 8.0, 8.0, {0: 900, 1: 100}),
+        _batch("b", 10.0, 1.0, 8.0, {2: 50, 3: 50}),
+    ]
+    moved = Assignment(epoch=1, owners={0: "b", 1: "a", 2: "b", 3: "b"})
+    snap = snapshot_of(batches, ["a", "b"], moved, frozenset({0}), 10_000, 8.0, 10.0, None)
+    load = {i.instance: i.load for i in snap.instances}
+    assert load["a"] < 0.2 and load["b"] > 0.9
+    assert snap.tuples_of(0) == 900
