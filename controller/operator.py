@@ -439,8 +439,8 @@ class Operator:
         previous: dict[str, Any] = obj.get("status") or {}
         plan = self._plan(spec, mover)
         decided = self._act(obj, mover, plan)
-        if decided is None and plan.kind is StepKind.STEADY:
-            decided = self._policy_round(obj, spec, mover)
+        if decided is None and self._plan(spec, mover, mover.cutting_over()).kind is StepKind.STEADY:
+            decided = self._policy_round(obj, spec, mover)  # a parallel track's tail holds up no round
 
         current = self._read("StatefulSet", spec.name)
         before = current["spec"]["replicas"] if current is not None else None
@@ -471,13 +471,14 @@ class Operator:
         )
         self._write_status(obj, render_status(observed, previous, _rfc3339(self._wall())))
 
-    def _plan(self, spec: PipelineSpec, mover: PidMover) -> Plan:
+    def _plan(self, spec: PipelineSpec, mover: PidMover, in_flight: Sequence[Move] | None = None) -> Plan:
+        """The scaling step, with the mover's moves in flight unless given others."""
         return plan_step(
             pipeline=spec.name,
             partitions=spec.partitions,
             replicas=spec.replicas,
             assignment=mover.assignment(),
-            in_flight=tuple(mover.in_flight()),
+            in_flight=tuple(mover.in_flight() if in_flight is None else in_flight),
             ready=mover.ready_instances(),
             mode=spec.handoff_mode,
         )

@@ -16,13 +16,15 @@ The round, as the paper gives it:
 
 Beyond the paper, `max_moves_per_pair` (default 1, the paper's rule) lets one pair move several pids in
 a round: after each chosen pid the walk goes on from the pair's estimated U_d', U_r', T_d', T_r' while a
-further move still reduces the estimated imbalance, until that imbalance is below th_imb. The paper's
-rounds last milliseconds; a micro-batch engine's last two triggers or more, and a parallel track's move
-phase a window, so one pid per pair and round cannot follow a hot set of a dozen pids that moves
-(decision 0012). Also beyond it, `donor_cost` charges a moved pid to the receiver at the donor's cost
-per tuple: the paper's estimate assumes every tuple costs alike on an instance, but a hot key's tuple
-joins many more partners than a cold one, while fluxjoin's instances are alike (pods of one
-StatefulSet).
+further move still reduces the estimated imbalance, until that imbalance is below th_imb; and a donor
+its receiver could not bring below th_imb (every further pid would push U_r' above 1) goes on to the
+next least utilized instance, from its estimates so far, so one overloaded instance can shed load to
+every idle one in a round (decision 0013). The paper's rounds last milliseconds; a micro-batch
+engine's last two triggers or more, so one pid per pair and round cannot follow a hot set of a dozen
+pids that moves (decision 0012). Also beyond it, `donor_cost` charges a moved pid to the receiver at
+the donor's cost per tuple: the paper's estimate assumes every tuple costs alike on an instance, but a
+hot key's tuple joins many more partners than a cold one, while fluxjoin's instances are alike (pods
+of one StatefulSet).
 
 Where the text is not precise, this module chooses as follows:
 
@@ -86,7 +88,8 @@ class FluxParams:
     """The first round's collection interval; later rounds carry theirs in `Snapshot.interval_s`."""
     delta_min_s: float = 0.25
     max_moves_per_pair: int = 1
-    """Pids one (donor, receiver) pair may move in a round; 1 is the paper's rule (decision 0012)."""
+    """Pids one (donor, receiver) pair may move in a round; 1 is the paper's rule (decision 0012). With
+    more, a donor its receiver could not balance also pairs with the next receiver (decision 0013)."""
     donor_cost: bool = False
     """Charge a moved pid to the receiver at the donor's cost per tuple, not the receiver's own (the
     paper's). Right when instances are alike and tuples are not: a hot key's tuple joins many partners
@@ -150,11 +153,8 @@ def interval_without_moves(interval_s: float, params: FluxParams) -> float:
     return max(interval_s / 2.0, params.delta_min_s)
 
 
-def threshold_failure(
-    donor: InstanceStats, receiver: InstanceStats, mean_u: float, params: FluxParams
-) -> str:
-    """Why the pair fails the paper's threshold test, or "" if it passes."""
-    u_d, u_r = donor.load, receiver.load
+def threshold_failure(u_d: float, u_r: float, mean_u: float, params: FluxParams) -> str:
+    """Why a pair with these utilizations fails the paper's threshold test, or "" if it passes."""
     if u_d < mean_u:
         return f"U_d {u_d:.3f} < mean U {mean_u:.3f}"
     ratio = imbalance(u_d, u_r)
@@ -163,6 +163,18 @@ def threshold_failure(
     if u_r > params.th_util:
         return f"U_r {u_r:.3f} > th_util {params.th_util}"
     return ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Walk:
+    """A pair's walk over the donor's pids: what it chose, why, and the donor's estimates after it."""
+
+    moves: list[Move]
+    note: str
+    u_d: float
+    t_d: int
+    balanced: bool
+    """The pair's estimated imbalance fell below th_imb (or the donor has nothing left to give)."""
 
 
 class FluxPolicy:
@@ -175,7 +187,8 @@ class FluxPolicy:
 
     def decide(self, snapshot: Snapshot, params: FluxParams) -> Decision:
         """One round: at most max_moves_per_pair moves per (donor, receiver) pair, stopping at the first
-        failing pair."""
+        failing pair. With several moves per pair, a donor its receiver could not balance goes on to
+        the next least utilized instance, from its estimates after the moves chosen so far."""
         calm = interval_without_moves(snapshot.interval_s, params)
         ranked = sorted(snapshot.instances, key=lambda s: (-s.load, s.instance))
         if len(ranked) < 2:
@@ -183,42 +196,65 @@ class FluxPolicy:
         mean_u = sum(s.load for s in ranked) / len(ranked)
         moves: list[Move] = []
         notes: list[str] = []
-        for i in range(len(ranked) // 2):
-            donor, receiver = ranked[i], ranked[-1 - i]
+        d, r = 0, len(ranked) - 1
+        u_d, t_d = ranked[0].load, self._tuples(snapshot, ranked[0])
+        while d < r:
+            donor, receiver = ranked[d], ranked[r]
             pair = f"{donor.instance}->{receiver.instance}"
-            failure = threshold_failure(donor, receiver, mean_u, params)
+            failure = threshold_failure(u_d, receiver.load, mean_u, params)
             if failure:
                 notes.append(f"stopped at {pair}: {failure}")
                 break
-            picked, note = self._pick(snapshot, donor, receiver, params)
-            notes.append(f"{pair}: {note}")
-            moves.extend(picked)
+            walk = self._pick(snapshot, donor, receiver, params, u_d, t_d, {m.pid for m in moves})
+            notes.append(f"{pair}: {walk.note}")
+            moves.extend(walk.moves)
+            r -= 1
+            if walk.balanced or params.max_moves_per_pair == 1:
+                d += 1
+                u_d, t_d = ranked[d].load, self._tuples(snapshot, ranked[d])
+            else:
+                u_d, t_d = walk.u_d, walk.t_d
         reason = "flux: " + "; ".join(notes)
         if not moves:
             return no_change(reason, calm)
         return Decision(tuple(moves), reason, None)
 
     @staticmethod
+    def _tuples(snapshot: Snapshot, instance: InstanceStats) -> int:
+        """T_j: the tuples of the pids the assignment gives to the instance."""
+        return sum(snapshot.tuples_of(pid) for pid in snapshot.assignment.pids_of(instance.instance))
+
     def _pick(
-        snapshot: Snapshot, donor: InstanceStats, receiver: InstanceStats, params: FluxParams
-    ) -> tuple[list[Move], str]:
-        """The donor's pids to move, walked by N_pid descending (then pid): each one whose move reduces
-        the pair's estimated imbalance, up to max_moves_per_pair, the estimates carried from move to move."""
-        donor_pids = snapshot.assignment.pids_of(donor.instance)
-        t_d = sum(snapshot.tuples_of(pid) for pid in donor_pids)
-        t_r = sum(snapshot.tuples_of(pid) for pid in snapshot.assignment.pids_of(receiver.instance))
-        u_d, u_r = donor.load, receiver.load
+        self,
+        snapshot: Snapshot,
+        donor: InstanceStats,
+        receiver: InstanceStats,
+        params: FluxParams,
+        u_d: float,
+        t_d: int,
+        taken: set[int],
+    ) -> _Walk:
+        """The donor's pids to move, walked by N_pid descending (then pid) from the donor's estimated
+        U_d and T_d: each one whose move reduces the pair's estimated imbalance, up to
+        max_moves_per_pair, the estimates carried from move to move. `taken` are the pids chosen for
+        earlier receivers this round (already out of T_d)."""
+        t_r, u_r = self._tuples(snapshot, receiver), receiver.load
         if t_d == 0:
-            return [], "donor processed no tuples"
+            return _Walk([], "donor processed no tuples", u_d, t_d, balanced=True)
         chosen: list[str] = []
         moves: list[Move] = []
         refused: list[str] = []
-        for pid in sorted(donor_pids, key=lambda p: (-snapshot.tuples_of(p), p)):
+        balanced = False
+        for pid in sorted(
+            snapshot.assignment.pids_of(donor.instance), key=lambda p: (-snapshot.tuples_of(p), p)
+        ):
             n_p = snapshot.tuples_of(pid)
             if n_p == 0 or len(moves) == params.max_moves_per_pair:
                 break
             if pid in snapshot.moves_in_flight:
                 refused.append(f"pid {pid} in flight")
+                continue
+            if pid in taken:
                 continue
             u_d_after, u_r_after = estimate_after_move(
                 u_d, t_d, u_r, t_r, n_p, donor.fixed_busy, receiver.fixed_busy, params.donor_cost
@@ -234,11 +270,13 @@ class FluxPolicy:
             chosen.append(f"pid {pid} (U {u_d:.3f}->{u_d_after:.3f}, {u_r:.3f}->{u_r_after:.3f})")
             u_d, u_r, t_d, t_r = u_d_after, u_r_after, t_d - n_p, t_r + n_p
             if t_d == 0 or after < params.th_imb:
-                break  # balanced by the policy's own test: further moves would only shuffle small pids
+                balanced = True  # by the policy's own test: further moves would only shuffle small pids
+                break
         if not moves:
-            return [], f"no pid reduces the imbalance ({_listing(refused) or 'no candidate pids'})"
+            note = f"no pid reduces the imbalance ({_listing(refused) or 'no candidate pids'})"
+            return _Walk([], note, u_d, t_d, balanced=t_d == 0)
         passed = f"; passed over {_listing(refused)}" if refused else ""
-        return moves, f"move {', '.join(chosen)}{passed}"
+        return _Walk(moves, f"move {', '.join(chosen)}{passed}", u_d, t_d, balanced)
 
 
 def _listing(refusals: list[str]) -> str:

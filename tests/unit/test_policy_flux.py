@@ -29,11 +29,15 @@ def snapshot_of(
     in_flight: frozenset[int] = frozenset(),
     interval_s: float = 1.0,
 ) -> Snapshot:
-    """A snapshot from {instance: (U, {pid: N_pid})}; every site owns exactly the pids listed for it."""
+    """A snapshot from {instance: (U, {pid: N_pid})}; every site owns exactly the pids listed for it. A U
+    above 1 is a demand (an instance falling behind)."""
     owners = {pid: site for site, (_, pids) in sites.items() for pid in pids}
     return Snapshot(
         now_s=100.0,
-        instances=tuple(InstanceStats(site, u, 0) for site, (u, _) in sites.items()),
+        instances=tuple(
+            InstanceStats(site, min(u, 1.0), 0, demand=u if u > 1.0 else None)
+            for site, (u, _) in sites.items()
+        ),
         pids={
             pid: PidStats(pid, tuples, 0, 0) for _, (_, pids) in sites.items() for pid, tuples in pids.items()
         },
@@ -149,6 +153,28 @@ def test_donor_cost_charges_the_receiver_what_the_pid_cost_the_donor() -> None:
     sites = {"hot": (0.9, {0: 40, 1: 10}), "cold": (0.3, {2: 50, 3: 50})}
     assert [m.pid for m in FLUX.decide(snapshot_of(sites), PARAMS).moves] == [0]
     assert [m.pid for m in FLUX.decide(snapshot_of(sites), replace(PARAMS, donor_cost=True)).moves] == [1]
+
+
+def test_a_donor_its_receiver_cannot_balance_goes_on_to_the_next_receiver() -> None:
+    """One instance at U 3.0 with twelve pids of a quarter each (charged at its cost), three at 0.5:
+    each receiver takes two pids (to 1.0; a third would take it to 1.25 > 1), and the donor, still at
+    2.5 after the first receiver, goes on to the next. One move per pair keeps the paper's pairing: the
+    second pair's donor is below the mean, so the round moves one pid."""
+    sites = {
+        "hot": (3.0, {p: 20 for p in range(12)}),
+        "r1": (0.5, {12: 100}),
+        "r2": (0.5, {13: 100}),
+        "r3": (0.5, {14: 100}),
+    }
+    several = replace(PARAMS, max_moves_per_pair=8, donor_cost=True)
+    decision = FLUX.decide(snapshot_of(sites), several)
+    assert [(m.pid, m.target) for m in decision.moves] == [
+        (0, "r3"), (1, "r3"), (2, "r2"), (3, "r2"), (4, "r1"), (5, "r1")
+    ]  # fmt: skip
+    assert "hot->r2: move pid 2 (U 2.500->2.250" in decision.reason
+    paper = FLUX.decide(snapshot_of(sites), replace(PARAMS, donor_cost=True))
+    assert [(m.pid, m.target) for m in paper.moves] == [(0, "r3")]
+    assert "stopped at r1->r2: U_d 0.500 < mean U 1.125" in paper.reason
 
 
 def test_several_moves_per_pair_leave_fig6_unchanged_where_one_move_balances() -> None:
