@@ -482,7 +482,9 @@ def measure_skew_point(
     cfg: Config, bootstrap: str, work: Path, policy: str, say: Callable[[str], None]
 ) -> dict[str, Any]:
     """One rate under one policy: sustainable when the backlog left at the end of the input drains
-    within `sustained_drain_s`; latency percentiles over results after the first 20 s."""
+    within `sustained_drain_s`; latency percentiles over results after the first 20 s. The output is
+    checked against the oracle: a policy's moves, several at a time, must lose and duplicate nothing."""
+    from pipeline.oracle import verify_pipeline
 
     pipeline = LocalPipeline(cfg, bootstrap, work)
     follower = MetricsFollower(pipeline.cfg, bootstrap)
@@ -508,12 +510,15 @@ def measure_skew_point(
     moves = sum(1 for line in (work / "controller.log").read_text().splitlines() if line.endswith("started"))
     steady = [r for r in records if r.get("kind") == "batch" and r["time_ms"] >= started_ms + 20_000]
     p50, p99 = weighted_percentiles([r for r in steady if r["results"]], (50, 99))
+    report = verify_pipeline(pipeline.cfg, bootstrap)
     point = {
         "drain_s": round(drain_s, 1),
         "sustained": drain_s <= sustained_drain_s(trigger_ms),
         "latency_p50_s": p50,
         "latency_p99_s": p99,
         "moves": moves,
+        "results": report.produced,
+        "exact": report.exact,
     }
     say(f"skew: {policy} at {cfg.generator.rate.rate * 2:,.0f} tuples/s: {point}")  # type: ignore[union-attr]
     return point
@@ -552,6 +557,7 @@ def run_skew_bench(
             "sustainable_rate": best,
             "latency_p50_s": at.get("latency_p50_s"),
             "latency_p99_s": at.get("latency_p99_s"),
+            "exact": all(p["exact"] for p in by_rate.values()),
             "points": {str(int(r)): p for r, p in sorted(by_rate.items())},
         }
     save_report(run_id, "skew", summary, say)

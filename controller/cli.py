@@ -428,7 +428,8 @@ def bench_skew(
         ),
     ] = 10.0,
 ) -> None:
-    """Sustainable input rate and latency of the static and flux policies under moving skew."""
+    """Sustainable input rate and latency of the static and flux policies under moving skew; every
+    point's output is checked against the oracle (exit 1 if one is not exact)."""
     from controller.bench import run_skew_bench
 
     cfg = _config(config, set_, bootstrap)
@@ -440,6 +441,7 @@ def bench_skew(
         fail(str(exc))
     compact = {p: {k: v for k, v in s.items() if k != "points"} for p, s in summary.items()}
     print(json.dumps(compact) if json_ else json.dumps(summary, indent=2))
+    raise typer.Exit(0 if all(s["exact"] for s in summary.values()) else 1)
 
 
 @bench_app.command("move-cost")
