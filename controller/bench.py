@@ -366,13 +366,16 @@ def skew_trigger_ms(cpu: float) -> int:
 def flux_skew_params(trigger_ms: int) -> dict[str, float]:
     """Flux collects over two triggers at least (a shorter interval holds no batch of some instances),
     may move several pids per pair and charges a moved pid at the donor's cost (decision 0012): the
-    instances are alike, and a hot pid's tuples join far more partners than the receiver's own."""
+    instances are alike, and a hot pid's tuples join far more partners than the receiver's own. The
+    round after a move phase comes delta_min after it (decision 0014): a receiver's catch-up with the
+    moved backlog can last longer than what is left of the input after the hot set moves."""
     two_triggers = 2 * trigger_ms / 1000
     return {
         "delta_s": two_triggers,
         "delta_min_s": two_triggers,
         "max_moves_per_pair": FLUX_SKEW_MOVES_PER_PAIR,
         "donor_cost": 1.0,
+        "phase_interval": 0.0,
     }
 
 

@@ -110,28 +110,6 @@ def split_busy(described: Sequence[dict[str, Any]], history: Sequence[dict[str, 
     return busy, min(busy, fixed)
 
 
-def demand(history: Sequence[dict[str, Any]], count: int) -> float | None:
-    """The time the last `count` batches of `history` (oldest first) took over the time their input
-    took to arrive; None if unknown.
-
-    A batch reads what arrived while the batch before it ran and idled, so its input arrived over its
-    predecessor's period (the first batch at hand stands in for its own). While an instance keeps up,
-    this equals its busy fraction; when it falls behind, each batch takes longer than its input took to
-    arrive and the figure exceeds 1, where a busy fraction stops (decision 0012).
-    """
-    if count <= 0 or not history:
-        return None
-    took = arrived = 0.0
-    start = len(history) - count
-    for k in range(max(start, 0), len(history)):
-        source = history[k - 1] if k > 0 else history[k]
-        if source["busy"] <= 0:
-            continue
-        took += history[k]["duration_s"]
-        arrived += source["duration_s"] / source["busy"]
-    return took / arrived if arrived > 0 else None
-
-
 def described_by(history: Sequence[dict[str, Any]], since_ms: float) -> list[dict[str, Any]]:
     """The batches of one instance's `history` (oldest first) that ended at or after `since_ms`, else
     its latest batch: an instance with none ending in the interval is inside a longer batch (a loaded
@@ -139,36 +117,44 @@ def described_by(history: Sequence[dict[str, Any]], since_ms: float) -> list[dic
     return [b for b in history if b["time_ms"] >= since_ms] or list(history[-1:])
 
 
-def charged_to_owners(
-    loads: Mapping[str, float],
-    fixed: Mapping[str, float],
-    processed: Mapping[str, Mapping[int, float]],
-    owners: Mapping[int, str],
-) -> dict[str, float]:
-    """Each instance's load with the work its batches did charged to each pid's owner of record.
+def cost_per_tuple_s(described: Sequence[dict[str, Any]], fixed_s: float) -> float | None:
+    """Seconds a tuple costs the instance: its described batches' time beyond their fixed cost over the
+    tuples they read; None if they read none."""
+    tuples = sum(b["tuples_in"] for b in described)
+    if tuples <= 0:
+        return None
+    return max(sum(b["duration_s"] for b in described) - fixed_s * len(described), 0.0) / tuples
 
-    `loads` are Flux's U per instance (demand or busy fraction), `fixed` the part of each that a
-    batch costs whatever its input, `processed[i][p]` the tuples instance i processed for pid p. An
-    instance's cost per tuple is its variable load over the tuples it processed. Work it did for a pid
-    it no longer owns (a parallel track's old tuples, batches read before it released the pid) leaves
-    its load; work another did for a pid it now owns joins it, at that other's cost per tuple. Without
-    moves every pid is processed by its owner and the loads are unchanged. This lets a round run while
-    a parallel track's tail is in flight without counting the moved work on both sides (decision 0013).
+
+def arrival_rates(
+    history: Mapping[str, Sequence[dict[str, Any]]], described: Mapping[str, Sequence[dict[str, Any]]]
+) -> dict[int, float]:
+    """Tuples per second arriving for each pid, from the batches that read its tuples.
+
+    A batch record carries, per pid, the tuples it read and the newest event time among them. Ordered
+    by that time, whichever instance read them (a moved pid's records come from its old and new
+    owners), the records from the first in a `described` batch onwards hold the tuples that arrived
+    since the record before it, over the event time between the two. The figure does not depend on
+    how far behind a reader is: a receiver's first batch of a moved pid reads the backlog since the
+    cutoff, and its event time spans that whole backlog. A pid with no earlier record has no rate.
     """
-    cost = {}
-    for i, load in loads.items():
-        total = sum(processed.get(i, {}).values())
-        cost[i] = max(load - fixed.get(i, 0.0), 0.0) / total if total > 0 else 0.0
-    charged = dict(loads)
-    for i, counts in processed.items():
-        for p, n in counts.items():
-            owner = owners.get(p)
-            if owner == i:
-                continue
-            charged[i] -= cost[i] * n
-            if owner in charged:
-                charged[owner] += cost[i] * n
-    return {i: max(v, fixed.get(i, 0.0)) for i, v in charged.items()}
+    records: dict[int, list[tuple[int, int, bool]]] = {}
+    for i, batches in history.items():
+        recent = {id(b) for b in described.get(i, ())}
+        for b in batches:
+            for p, s in b["pids"].items():
+                if s["in"] > 0 and s.get("newest_ms", 0) > 0:
+                    records.setdefault(int(p), []).append((s["newest_ms"], s["in"], id(b) in recent))
+    rates = {}
+    for p, rs in records.items():
+        rs.sort()
+        first = next((k for k, r in enumerate(rs) if r[2]), 0)
+        if first == 0:
+            continue
+        span_s = (rs[-1][0] - rs[first - 1][0]) / 1000.0
+        if span_s > 0:
+            rates[p] = sum(r[1] for r in rs[first:]) / span_s
+    return rates
 
 
 def snapshot_of(
@@ -185,11 +171,18 @@ def snapshot_of(
     each one's latest batch, `described_by`); the fixed cost of an instance's batches is fitted on all
     its records at hand (the observer keeps two minutes).
 
-    A pid's tuples are its instances' counts scaled to `interval_s` by the periods their described
-    batches cover: a loaded instance's one batch may cover a minute while an idle one's cover the
-    interval, and Flux's estimates compare a donor's pid with the receiver's total (measured: a hot
-    pid's 66 s of tuples against the receiver's 16 s made its move look 7 times too costly). An
-    instance's demand is charged to the owners of record (`charged_to_owners`)."""
+    A pid's tuples (Flux's N_p) are its arrival rate (`arrival_rates`) over the interval. Without a
+    rate (a pid's first record), its instances' counts are scaled to `interval_s` by the periods their
+    described batches cover: a loaded instance's one batch may cover a minute while an idle one's
+    cover the interval, and Flux's estimates compare a donor's pid with the receiver's total.
+
+    An instance's demand is the share of its time it needs to keep up with the pids the assignment
+    gives it: its fixed per-batch share plus, per pid, the pid's arrival rate times the cost per tuple
+    of whoever read its tuples (`cost_per_tuple_s`). A pid moved away leaves its old owner's demand
+    as soon as the assignment says so, though a parallel track's source still reads its old tuples,
+    and joins its new owner's at the cost it had where it was read. A backlog does not count: an
+    instance behind its input reads more per batch, not more per second of arrivals (decision 0014).
+    """
     since = now_ms - interval_s * 1000
     history: dict[str, list[dict[str, Any]]] = {i: [] for i in live}
     state: dict[str, dict[int, int]] = {i: {} for i in live}
@@ -201,40 +194,43 @@ def snapshot_of(
             state[name][int(p)] = s["state_bytes"]  # newest record wins
         history[name].append(b)
     described = {i: described_by(history[i], since) for i in live}
-    processed: dict[str, dict[int, float]] = {i: {} for i in live}
+    read: dict[int, dict[str, float]] = {}
     for i, own in described.items():
         period = _period_s(own)
         per_interval = interval_s / period if period > 0 else 1.0
         for b in own:
             for p, s in b["pids"].items():
-                processed[i][int(p)] = processed[i].get(int(p), 0.0) + s["in"] * per_interval
-    tuples: dict[int, float] = {}
-    for counts in processed.values():
-        for p, n in counts.items():
-            tuples[p] = tuples.get(p, 0.0) + n
+                by = read.setdefault(int(p), {})
+                by[i] = by.get(i, 0.0) + s["in"] * per_interval
+    measured = arrival_rates(history, described)
+    rates = {p: measured.get(p, sum(by.values()) / interval_s) for p, by in read.items()} | measured
     busy = {i: split_busy(described[i], history[i]) for i in live}
+    cost = {i: cost_per_tuple_s(described[i], fixed_cost_s(history[i])) for i in live}
     owned = {p: o for p, o in assignment.owners.items() if o in history}
-    loads = {i: demand(history[i], len(described[i])) for i in live}
-    charged = charged_to_owners(
-        {i: busy[i][0] if d is None else d for i, d in loads.items()},
-        {i: busy[i][1] for i in live},
-        processed,
-        owned,
-    )
+    demand = {i: busy[i][1] for i in live}
+    for p, owner in owned.items():
+        readers = {i: n for i, n in read.get(p, {}).items() if cost.get(i) is not None}
+        if readers:
+            per_tuple = sum(n * (cost[i] or 0.0) for i, n in readers.items()) / sum(readers.values())
+        else:
+            per_tuple = cost[owner] or 0.0
+        demand[owner] += rates.get(p, 0.0) * per_tuple
     instances = tuple(
         InstanceStats(
             instance=i,
             busy_fraction=busy[i][0],
             fixed_busy=busy[i][1],
-            demand=charged[i],
+            demand=demand[i],
             state_bytes=sum(v for p, v in state[i].items() if owned.get(p) == i),
         )
         for i in sorted(live)
     )
     pid_state = {p: v for i in live for p, v in state[i].items() if owned.get(p) == i}
     pids = {
-        p: PidStats(pid=p, tuples=round(tuples.get(p, 0.0)), state_bytes=pid_state.get(p, 0), results=0)
-        for p in sorted(set(tuples) | set(pid_state))
+        p: PidStats(
+            pid=p, tuples=round(rates.get(p, 0.0) * interval_s), state_bytes=pid_state.get(p, 0), results=0
+        )
+        for p in sorted(set(rates) | set(pid_state))
         if p in owned
     }
     return Snapshot(
@@ -276,7 +272,8 @@ class PolicyRounds:
             if mover.cutting_over():
                 return None
             floor = float(getattr(self.params, "delta_min_s", MIN_INTERVAL_S))
-            self._next_in(max(now - self.move_phase_since_s, floor), now)
+            phase = now - self.move_phase_since_s if getattr(self.params, "phase_interval", True) else 0.0
+            self._next_in(max(phase, floor), now)
             self.move_phase_since_s = None
             return None
         if now < self.next_round_s:

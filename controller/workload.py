@@ -43,6 +43,7 @@ POLICY_FIELDS = {
         "deltaMinS": "delta_min_s",
         "maxMovesPerPair": "max_moves_per_pair",
         "donorCost": "donor_cost",
+        "phaseInterval": "phase_interval",
     },
     "memory": {"thetaD": "theta_d", "minSpanS": "min_span_s"},
 }

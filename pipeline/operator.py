@@ -12,7 +12,7 @@ kind       code   key              ts                 aux              id0      
 result     0      join key         max event time     0                id of stream 0        ids
 late       1      tuple key        event time         stream index     tuple id              0
 malformed  2      stream index     reason code        0                Kafka offset          0
-stats      3      window tuples    max event time     state bytes      tuples in (batch)     results
+stats      3      window tuples    newest event time  state bytes      tuples in (batch)     results
 state      4      tuple key        event time         stream index     tuple id              0
 released   5      exported tuples  watermark          0                0                     0
 track done 6      0                0                  side (1 old/2 new) 0                     0
@@ -149,9 +149,11 @@ def make_join_function(
         else:
             blob, final = window_to_bytes(out.state), out.state
             state.update((blob,))
-        max_ts = final.watermark + allowed_lateness_ms if final.tuples else 0
         accepted = int(sum(len(p) for p in new))
+        # The newest event time read: successive batches' values bound the event time their tuples
+        # arrived over, so the controller can tell a pid's arrival rate from a backlog's size.
+        newest = max((int(p.ts.max()) for p in new if len(p)), default=0)
         extra = [0] * (streams - 2)
-        yield _frame(KIND_STATS, pid, final.tuples, max_ts, len(blob), [accepted, len(r), *extra], 1)
+        yield _frame(KIND_STATS, pid, final.tuples, newest, len(blob), [accepted, len(r), *extra], 1)
 
     return join_pid

@@ -273,12 +273,13 @@ class ExactlyOnceSink:
             # An evenly spaced sample of this batch's sorted latencies, for run-wide percentiles.
             "latency_sample": _sample(latency, 200),
             "pids": {
-                str(p): {"in": int(n), "state_bytes": int(b), "window_tuples": int(w)}
-                for p, n, b, w in zip(
+                str(p): {"in": int(n), "state_bytes": int(b), "window_tuples": int(w), "newest_ms": int(t)}
+                for p, n, b, w, t in zip(
                     columns["pid"][stats],
                     columns["id0"][stats],
                     columns["aux"][stats],
                     columns["key"][stats],
+                    columns["ts"][stats],
                     strict=True,
                 )
             },

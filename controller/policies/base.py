@@ -28,11 +28,12 @@ class InstanceStats:
     busy_fraction is Flux's U_j = 1 - I_j / delta, already computed by the observer (0 = idle all the
     interval, 1 = never idle). fixed_busy is the part of it a micro-batch costs whatever its input (0 when
     unknown, the paper's model where all of U scales with the tuples). state_bytes is M_j, the memory
-    its windows hold now; memory_limit_bytes is what it may hold (0 when unknown). demand is the time its
-    batches took over the time their input took to arrive: equal to busy_fraction while the instance
-    keeps up, above 1 when it falls behind, where busy_fraction stops at 1 (None when unknown). The
-    observer charges it to the pids' owners of record: work done for a pid since moved away counts
-    for its new owner (`controller.rounds.charged_to_owners`).
+    its windows hold now; memory_limit_bytes is what it may hold (0 when unknown). demand is the share of
+    its time it needs to keep up with the pids the assignment gives it: their arrival rates times their
+    cost per tuple, plus the fixed part. It equals busy_fraction while the instance keeps up and exceeds
+    1 when it falls behind, where busy_fraction stops at 1; a backlog being read does not count, and a
+    moved pid counts for its new owner (`controller.rounds.snapshot_of`, decision 0014). None when
+    unknown.
     """
 
     instance: str

@@ -38,11 +38,11 @@ Where the text is not precise, this module chooses as follows:
   Because the pairs are sorted, the three tests are monotone along them (later donors are less utilized,
   later receivers more), so after the first failure no later pair could pass anyway.
 - A pid refused because U_r' > 1 is skipped and the walk goes on: a smaller pid may still fit.
-- U is `InstanceStats.load`: the instance's demand when the observer measured it (its batches' time
-  over the time their input took to arrive), else its busy fraction. The two agree while an instance
-  keeps up; a busy fraction stops at 1, so an instance given twice what it can process would look
-  barely busier than an idle one whose fixed per-batch cost fills half its time (measured: 0.85
-  against 0.65), and Flux would move one or two pids where the demand needs several (decision 0012).
+- U is `InstanceStats.load`: the instance's demand when the observer measured it (the share of its
+  time its pids' arrival rates need), else its busy fraction. The two agree while an instance keeps
+  up; a busy fraction stops at 1, so an instance given twice what it can process would look barely
+  busier than an idle one whose fixed per-batch cost fills half its time (measured: 0.85 against
+  0.65), and Flux would move one or two pids where the demand needs several (decisions 0012, 0014).
 - The estimates scale only the part of U that grows with the tuples. A micro-batch costs a fixed
   amount whatever its input (`InstanceStats.fixed_busy`, estimated by the observer, decision 0010); the
   paper's operator has no such cost, and charging it per tuple makes a lightly loaded receiver look
@@ -56,8 +56,9 @@ Where the text is not precise, this module chooses as follows:
 - Only live instances (those in `Snapshot.instances`) take part; with an odd count the middle instance
   is unpaired. Ties are broken by instance id and by pid, so the round is deterministic.
 - The move phase's duration is known only after the moves finished, so a decision with moves returns
-  next_interval_s = None and the caller feeds the measured duration to `interval_after_move_phase`,
-  which applies delta_min as well (the paper's minimum is on the collection phase, whatever set it).
+  next_interval_s = None and the caller (`controller.rounds.PolicyRounds`) starts the next interval
+  when they have: as long as the phase, at least delta_min (the paper's minimum is on the collection
+  phase, whatever set it), or delta_min without `phase_interval`.
   A decision without moves returns max(interval_s / 2, delta_min_s), interval_s being the delta the
   snapshot's statistics were collected over.
 - Defaults: th_imb = 1.2, th_util = 0.9 as in the paper's experiments. delta_min_s = 0.25 s, the value at
@@ -94,6 +95,10 @@ class FluxParams:
     """Charge a moved pid to the receiver at the donor's cost per tuple, not the receiver's own (the
     paper's). Right when instances are alike and tuples are not: a hot key's tuple joins many partners
     (decision 0012)."""
+    phase_interval: bool = True
+    """The collection interval after a move phase lasts as long as the phase (the paper's rule: the
+    statistics of a phase are the moves' as much as the load's). False: delta_min, for loads the moves
+    do not distort, as fluxjoin's observer measures them (decision 0014)."""
     mode: HandoffMode = HandoffMode.TRANSFER
 
     def __post_init__(self) -> None:
@@ -141,11 +146,6 @@ def estimate_after_move(
     if receiver_cost_known and not donor_cost:
         return u_d_after, f_r + (u_r - f_r) * (1.0 + n_p / t_r)
     return u_d_after, u_r + (u_d - f_d) * n_p / t_d
-
-
-def interval_after_move_phase(move_phase_s: float, params: FluxParams) -> float:
-    """The next collection interval after a round that moved: the move phase's length, at least delta_min."""
-    return max(move_phase_s, params.delta_min_s)
 
 
 def interval_without_moves(interval_s: float, params: FluxParams) -> float:

@@ -226,6 +226,7 @@ def test_defaults_are_filled_in_by_the_server(kube: KubeCluster, namespace: str,
         "deltaMinS": 0.25,
         "maxMovesPerPair": 1,
         "donorCost": False,
+        "phaseInterval": True,
     }
     assert spec["handoffMode"] == "transfer"
     assert spec["checkpoint"] == {"size": "5Gi"}

@@ -13,9 +13,8 @@ from controller.policies import POLICIES, InstanceStats, PidStats, Snapshot
 from controller.rounds import (
     FIRST_ROUND_DELAY_S,
     PolicyRounds,
+    arrival_rates,
     busy_fraction,
-    charged_to_owners,
-    demand,
     fixed_cost_s,
     policy_params,
     snapshot_of,
@@ -101,6 +100,16 @@ def test_a_parallel_tracks_tail_does_not_hold_up_the_next_round() -> None:
     assert not {m.pid for m in first.moves} & {m.pid for m in second.moves}, "the tail's pid stays put"
 
 
+def test_without_phase_interval_the_round_after_a_move_phase_comes_after_delta_min() -> None:
+    params = policy_params("flux", HandoffMode.TRANSFER, delta_s=2.0, delta_min_s=2.0, phase_interval=0.0)
+    rounds = PolicyRounds.begin("flux", params, now_s=0.0)
+    mover = Mover()
+    rounds.tick(mover, now_s=10.0)
+    mover.moving.clear()
+    rounds.tick(mover, now_s=40.0)
+    assert (rounds.interval_s, rounds.next_round_s) == (2.0, 42.0), "not the phase's 30 s"
+
+
 def test_a_short_move_phase_is_floored_at_delta_min() -> None:
     params = policy_params("flux", HandoffMode.TRANSFER, delta_min_s=0.5)
     rounds = PolicyRounds.begin("flux", params, now_s=0.0)
@@ -141,14 +150,23 @@ def test_static_never_moves_and_no_assignment_means_no_round() -> None:
 
 
 def _batch(
-    instance: str, end_s: float, duration_s: float, period_s: float, pids: dict[int, int]
+    instance: str,
+    end_s: float,
+    duration_s: float,
+    period_s: float,
+    pids: dict[int, int],
+    newest_s: float | None = None,
 ) -> dict[str, Any]:
+    """A batch record; by default its tuples' newest event time is the batch's start (it reads what
+    arrived before it began)."""
+    newest_ms = round(1000 * (end_s - duration_s if newest_s is None else newest_s))
     return {
         "instance": instance,
         "time_ms": end_s * 1000,
         "duration_s": duration_s,
         "busy": min(1.0, duration_s / period_s),
-        "pids": {str(p): {"in": n, "state_bytes": 10 * n} for p, n in pids.items()},
+        "tuples_in": sum(pids.values()),
+        "pids": {str(p): {"in": n, "state_bytes": 10 * n, "newest_ms": newest_ms} for p, n in pids.items()},
     }
 
 
@@ -214,46 +232,54 @@ def test_a_pipeline_objects_flux_fields_reach_the_policy() -> None:
     assert (params.max_moves_per_pair, params.donor_cost, params.th_imb) == (4, True, 1.5)
 
 
-def test_demand_is_the_busy_fraction_while_keeping_up_and_exceeds_one_when_falling_behind() -> None:
-    keeping_up = [_batch("a", t, 4.0, 8.0, {0: 100}) for t in (8, 16, 24)]
-    assert demand(keeping_up, 2) == pytest.approx(0.5) == busy_fraction(keeping_up[-2:])
-    # Back to back, each batch twice as long as the one before: its input took half as long to arrive.
-    behind = [_batch("b", t, d, d, {2: 100}) for t, d in ((10, 10.0), (30, 20.0), (70, 40.0))]
-    assert demand(behind, 2) == pytest.approx((20 + 40) / (10 + 20))
-    assert busy_fraction(behind[-2:]) == 1.0
-    assert demand(behind, 1) == pytest.approx(2.0)
-    assert demand([], 1) is None and demand(behind, 0) is None
+def test_a_pids_arrival_rate_is_its_tuples_over_the_event_time_they_arrived_over() -> None:
+    """Pid 0 arrives at 12.5 tuples/s. `a` read it every 8 s, then handed it to `b`, whose first batch
+    read the 32 s of backlog since the cutoff: the rate stays 12.5, not 400 tuples over b's 8 s batch."""
+    a = [_batch("a", t, 2.0, 8.0, {0: 100}, newest_s=t) for t in (108, 116, 124)]
+    b = [_batch("b", 164, 8.0, 8.0, {0: 500}, newest_s=164)]
+    assert arrival_rates({"a": a}, {"a": a[1:]}) == pytest.approx({0: 12.5})
+    assert arrival_rates({"a": a, "b": b}, {"a": a[-1:], "b": b}) == pytest.approx({0: 600 / 48})
+    assert arrival_rates({"a": a}, {"a": a}) == {}, "no record before the first described: unknown"
 
 
 def test_the_snapshot_carries_each_instances_demand_and_flux_ranks_by_it() -> None:
-    """`a` keeps up at U 0.6; `b` reads busy 1.0 but its demand is 2: flux sees a ratio of 3.3, not 1.7,
-    and moves b's small pid (charged about 2.0 x 100 / 600 at the donor's cost; the large one would
-    overload a)."""
+    """`a` keeps up at U 0.6; `b` reads busy 1.0 but its pids arrive twice as fast as it reads them
+    (600 tuples every 6 s, 12 s a batch): demand 2, and flux sees a ratio of 3.3, not 1.7. It moves b's
+    small pid (charged at the donor's cost; the large one would overload a)."""
     batches = [
-        *(_batch("a", t, 4.8, 8.0, {0: 50, 1: 50}) for t in (8, 16, 24)),
-        *(_batch("b", t, d, d, {2: 500, 3: 100}) for t, d in ((6, 6.0), (18, 12.0))),
+        *(_batch("a", t, 4.8, 8.0, {0: 50, 1: 50}) for t in (94, 102, 110, 118)),
+        *(_batch("b", t, d, d, {2: 500, 3: 100}) for t, d in ((106, 6.0), (118, 12.0))),
     ]
-    snap = snapshot_of(batches, ["a", "b"], ASSIGNMENT, frozenset(), 24_000, 16.0, 24.0, None)
+    snap = snapshot_of(batches, ["a", "b"], ASSIGNMENT, frozenset(), 118_000, 8.0, 118.0, None)
     stats = {i.instance: i for i in snap.instances}
     assert stats["a"].load == pytest.approx(0.6) and stats["b"].busy_fraction == 1.0
     assert stats["b"].load == pytest.approx(2.0)
+    assert {p: s.tuples for p, s in snap.pids.items()} == {0: 50, 1: 50, 2: 667, 3: 133}
     params = policy_params("flux", HandoffMode.TRANSFER, donor_cost=True)
     decision = POLICIES["flux"].decide(snap, params)
     assert [(m.pid, m.source, m.target) for m in decision.moves] == [(3, "b", "a")]
     assert "U 2.000->1.667, 0.600->0.932" in decision.reason
 
 
-def test_work_is_charged_to_the_owner_of_record() -> None:
-    """`a` processed pid 0 (900 tuples) and pid 1 (100) at 0.001 per tuple over a fixed 0.1, and has
-    since handed pid 0 to `b`: that work leaves a and joins b at a's cost per tuple."""
-    loads, fixed = {"a": 1.1, "b": 0.2}, {"a": 0.1, "b": 0.1}
-    processed = {"a": {0: 900.0, 1: 100.0}, "b": {2: 100.0}}
-    charged = charged_to_owners(loads, fixed, processed, {0: "b", 1: "a", 2: "b"})
-    assert charged == pytest.approx({"a": 0.2, "b": 1.1})
-    unmoved = charged_to_owners(loads, fixed, processed, {0: "a", 1: "a", 2: "b"})
-    assert unmoved == pytest.approx(loads), "without moves the loads are unchanged"
-    in_transit = charged_to_owners(loads, fixed, processed, {1: "a", 2: "b"})
-    assert in_transit == pytest.approx({"a": 0.2, "b": 0.2}), "a pid in transit is nobody's"
+def test_a_receivers_catch_up_batch_is_not_demand() -> None:
+    """Pid 0 (12.5 tuples/s) moved from `a` to `b`, whose first batch with it read 32 s of backlog and
+    took 8 s of its 8 s period. b needs 12.5 x its cost per tuple of its time, not all of it; a, left
+    with pid 1, needs only pid 1's share."""
+    batches = [
+        *(_batch("a", t, 2.2, 8.0, {0: 100, 1: 10}, newest_s=t) for t in (108, 116, 124)),
+        _batch("b", 156, 0.5, 8.0, {2: 10}, newest_s=156),
+        _batch("b", 164, 8.0, 8.0, {0: 500, 2: 10}, newest_s=164),
+    ]
+    moved = Assignment(epoch=1, owners={0: "b", 1: "a", 2: "b", 3: "b"})
+    snap = snapshot_of(batches, ["a", "b"], moved, frozenset(), 164_000, 16.0, 164.0, None)
+    load = {i.instance: i.load for i in snap.instances}
+    # Per tuple: a 2.2 s for 110 tuples, b 8.5 s for 520; pid 0 was read 200 times by a (its one
+    # described batch, scaled to the interval) and 500 times by b.
+    cost_a, cost_b = 2.2 / 110, 8.5 / 520
+    pid_0 = (200 * cost_a + 500 * cost_b) / 700
+    assert load["b"] == pytest.approx(12.5 * pid_0 + 1.25 * cost_b) and load["b"] < 0.25
+    assert load["a"] == pytest.approx(1.25 * cost_a)
+    assert snap.tuples_of(0) == 200
 
 
 def test_the_snapshot_charges_a_moved_pids_work_to_its_new_owner() -> None:
