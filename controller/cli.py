@@ -226,9 +226,16 @@ def controller(
         fail(f"--policy-param: {exc}")
     stopping = _stop_on_signals()
     try:
-        run_controller(cfg, _bootstrap(cfg), policy, params, heartbeat_timeout, dry_run, stopping.is_set)
+        run_controller(
+            cfg, _bootstrap(cfg), policy, params, heartbeat_timeout, dry_run, stopping.is_set, _say_with_time
+        )
     except _user_errors() as exc:
         fail(str(exc))
+
+
+def _say_with_time(line: str) -> None:
+    """A controller line, prefixed with the wall-clock time: a log of moves is read as a timeline."""
+    print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
 
 
 def _stop_on_signals() -> threading.Event:

@@ -233,6 +233,13 @@ def _publish(
     ), said
 
 
+def moves_releasing(view: ControlView) -> list[Move]:
+    """Moves whose pid its source has not released yet: until then the pid is the source's in the
+    assignment of record; from then on its new owner's, though the owner may not have read it yet."""
+    a = view.assignment
+    return [] if a is None else [Move(p, m.source, m.target, m.mode) for p, m in a.moving.items()]
+
+
 def moves_cutting_over(view: ControlView) -> list[Move]:
     """Moves whose pid has not reached its new owner yet: being released, or handed off and not yet
     acquired. A handoff's source is the instance that released the pid, or "?" for the recovery of a
@@ -240,7 +247,7 @@ def moves_cutting_over(view: ControlView) -> list[Move]:
     a = view.assignment
     if a is None:
         return []
-    moves = [Move(p, m.source, m.target, m.mode) for p, m in a.moving.items()]
+    moves = moves_releasing(view)
     for p, h in a.handoffs.items():
         if p in a.owners:
             released = view.released.get(h.move_id)
@@ -386,8 +393,8 @@ class KafkaPidMover:
     def in_flight(self) -> Sequence[Move]:
         return moves_in_flight(self.log.catch_up())
 
-    def cutting_over(self) -> Sequence[Move]:
-        return moves_cutting_over(self.log.catch_up())
+    def releasing(self) -> Sequence[Move]:
+        return moves_releasing(self.log.catch_up())
 
     def finished(self) -> Sequence[FinishedMove]:
         """Moves that left `in_flight()` in this mover's steps since the last call, each returned once."""

@@ -85,8 +85,8 @@ class PidMover(Protocol):
         """Moves requested and not yet complete."""
         ...
 
-    def cutting_over(self) -> Sequence[Move]:
-        """Moves of `in_flight()` whose pid has not reached its new owner yet (no parallel track's tail)."""
+    def releasing(self) -> Sequence[Move]:
+        """Moves of `in_flight()` whose pid its source has not released yet."""
         ...
 
     def finished(self) -> Sequence[FinishedMove]:
@@ -439,8 +439,8 @@ class Operator:
         previous: dict[str, Any] = obj.get("status") or {}
         plan = self._plan(spec, mover)
         decided = self._act(obj, mover, plan)
-        if decided is None and self._plan(spec, mover, mover.cutting_over()).kind is StepKind.STEADY:
-            decided = self._policy_round(obj, spec, mover)  # a parallel track's tail holds up no round
+        if decided is None and self._plan(spec, mover, mover.releasing()).kind is StepKind.STEADY:
+            decided = self._policy_round(obj, spec, mover)  # a released pid holds up no round
 
         current = self._read("StatefulSet", spec.name)
         before = current["spec"]["replicas"] if current is not None else None

@@ -6,11 +6,12 @@ local controller (`controller.runner`) and the Kubernetes operator (`controller.
 the same way. `tick` never blocks: a caller ticks it from its own loop, and a round whose moves are still
 in flight (Flux's move phase) simply ends when they have completed.
 
-A move phase ends when every moved pid has reached its new owner. A parallel track's tail (the source
-finishing the pid's old tuples, which lasts a window after the cutoff and longer when the source is
-behind) does not hold up the next round: its pid stays out of the policy's reach until the tail ends
-(`Snapshot.moves_in_flight`), and the snapshot charges each pid's work to its owner of record
-(`snapshot_of`), so the work moved away is not counted twice (decision 0013).
+A move phase ends when every moved pid has left its source: the assignment of record then gives it to
+its new owner, and the snapshot charges its arrival rate there (`snapshot_of`). Neither the new
+owner's first batch with the pid, which reads the backlog since the cutoff and can be long when the
+source was behind, nor a parallel track's tail (the source finishing the pid's old tuples) holds up
+the next round; the pid stays out of the policy's reach until its move is over
+(`Snapshot.moves_in_flight`; decisions 0013, 0014).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ MIN_INTERVAL_S = 0.25
 class PolicyMover(Protocol):
     """What a policy round needs from whoever carries out moves."""
 
-    def cutting_over(self) -> Sequence[Move]:
-        """Moves whose pid has not reached its new owner yet; a parallel track's tail is not one."""
+    def releasing(self) -> Sequence[Move]:
+        """Moves whose pid its source has not released yet (a handoff on its way to the new owner, or a
+        parallel track's tail, is not one)."""
         ...
 
     def request(self, moves: Sequence[Move]) -> None: ...
@@ -269,7 +271,7 @@ class PolicyRounds:
         """
         now = time.monotonic() if now_s is None else now_s
         if self.move_phase_since_s is not None:
-            if mover.cutting_over():
+            if mover.releasing():
                 return None
             floor = float(getattr(self.params, "delta_min_s", MIN_INTERVAL_S))
             phase = now - self.move_phase_since_s if getattr(self.params, "phase_interval", True) else 0.0

@@ -43,7 +43,8 @@ class RecordingMover:
     current: Assignment | None = None
     moving: list[Move] = field(default_factory=list)
     tails: list[Move] = field(default_factory=list)
-    """Parallel tracks past their cutover: in flight, no longer cutting over."""
+    """Moves past their release (handoffs not yet acquired, parallel tracks' tails): in flight, not
+    releasing."""
     snapshots: int = 0
     ready: set[str] = field(default_factory=set)
     stats: dict[str, InstanceStats] = field(default_factory=dict)
@@ -68,7 +69,7 @@ class RecordingMover:
     def in_flight(self) -> Sequence[Move]:
         return tuple(self.moving + self.tails)
 
-    def cutting_over(self) -> Sequence[Move]:
+    def releasing(self) -> Sequence[Move]:
         return tuple(self.moving)
 
     def finished(self) -> Sequence[FinishedMove]:
@@ -521,11 +522,11 @@ def test_the_pipelines_policy_moves_pids_once_no_scaling_step_is_under_way(
     assert _jp(kube, namespace)["status"]["assignment"][1]["pids"] == "1-3"
 
 
-def test_a_parallel_tracks_tail_holds_up_no_policy_round(
+def test_a_released_pid_holds_up_no_policy_round(
     kube: KubeCluster, namespace: str, crd: None, movers: Movers
 ) -> None:
-    """Once a moved pid reached its receiver, the next round runs while the source still finishes the
-    pid's old tuples; the pid's move stays in flight in the status until its tail ends."""
+    """Once a moved pid left its source, the next round runs while the move goes on (the receiver
+    reading it, the source finishing its old tuples); the move stays in flight in the status."""
     clock = FakeClock()
     operator = Operator(kube.api_client, namespace, movers, SETTINGS, clock=clock)
     _apply(kube, namespace, "x", partitions=4, replicas=2, policy={"name": "flux", "flux": {"thImb": 1.5}})

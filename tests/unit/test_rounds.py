@@ -28,14 +28,14 @@ class Mover:
     """Serves a fixed imbalance: "a" busy with two pids, "b" idle."""
 
     moving: list[Move] = field(default_factory=list)
-    """Moves cutting over: their pid has not reached its new owner."""
+    """Moves whose pid its source has not released yet."""
     tails: list[Move] = field(default_factory=list)
-    """Parallel tracks past their cutover, the source still finishing the old tuples."""
+    """Moves past their release: handoffs not yet acquired, parallel tracks' tails."""
     requested: list[Move] = field(default_factory=list)
     snapshots: list[tuple[float, float | None]] = field(default_factory=list)
     assignment: Assignment | None = ASSIGNMENT
 
-    def cutting_over(self) -> Sequence[Move]:
+    def releasing(self) -> Sequence[Move]:
         return self.moving
 
     def request(self, moves: Sequence[Move]) -> None:
@@ -86,9 +86,9 @@ def test_flux_waits_out_the_move_phase_and_makes_it_the_next_interval() -> None:
     assert mover.snapshots[-1] == (3.0, 10.0)
 
 
-def test_a_parallel_tracks_tail_does_not_hold_up_the_next_round() -> None:
-    """Once the moved pid reached its receiver the phase is over, though the source still finishes
-    the pid's old tuples; the next round runs and leaves that pid alone."""
+def test_a_released_pid_does_not_hold_up_the_next_round() -> None:
+    """Once the moved pid left its source the phase is over, though its receiver may not have read it
+    yet or the source still finishes its old tuples; the next round runs and leaves that pid alone."""
     rounds = PolicyRounds.begin("flux", policy_params("flux", HandoffMode.PARALLEL_TRACK), now_s=0.0)
     mover = Mover()
     first = rounds.tick(mover, now_s=10.0)
