@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from controller.moves import Liveness, finished_moves, moves_in_flight, plan_step
+from controller.moves import Liveness, finished_moves, moves_in_flight, moves_releasing, plan_step
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
@@ -210,11 +210,13 @@ def test_a_move_finishes_once_when_the_target_has_acquired_it() -> None:
     view = view.apply(view_step_with(view, [MOVE]))
     in_transit = moves_in_flight(view)
     assert [(m.pid, m.source, m.target) for m in in_transit] == [(1, "a", "b")]
+    assert moves_releasing(view) == in_transit
     released = view.apply(
         ReleasedMsg(instance="a", epoch=1, pid=1, move_id="m1", cutoff={"A": 5, "B": 6}, snapshot=SNAP)
     )
     handed = released.apply(view_step(released))
     assert finished_moves(in_transit, handed) == [], "handed over, not yet taken"
+    assert moves_releasing(handed) == [], "no longer its source's: a policy round may run"
     acquired = handed.apply(AcquiredMsg(instance="b", epoch=2, pid=1, move_id="m1"))
     done = acquired.apply(view_step(acquired))
     (finished,) = finished_moves(moves_in_flight(handed), done)
