@@ -211,7 +211,7 @@ def snapshot_of(
     owned = {p: o for p, o in assignment.owners.items() if o in history}
     demand = {i: busy[i][1] for i in live}
     for p, owner in owned.items():
-        readers = {i: n for i, n in read.get(p, {}).items() if cost.get(i) is not None}
+        readers = {i: n for i, n in read.get(p, {}).items() if n > 0 and cost.get(i) is not None}
         if readers:
             per_tuple = sum(n * (cost[i] or 0.0) for i, n in readers.items()) / sum(readers.values())
         else:

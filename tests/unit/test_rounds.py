@@ -280,6 +280,9 @@ def test_a_receivers_catch_up_batch_is_not_demand() -> None:
     assert load["b"] == pytest.approx(12.5 * pid_0 + 1.25 * cost_b) and load["b"] < 0.25
     assert load["a"] == pytest.approx(1.25 * cost_a)
     assert snap.tuples_of(0) == 200
+    quiet = [_batch("a", t, 2.0, 8.0, {0: 10, 1: 0}) for t in (8, 16)]
+    snap = snapshot_of(quiet, ["a", "b"], ASSIGNMENT, frozenset(), 16_000, 8.0, 16.0, None)
+    assert snap.tuples_of(1) == 0 and snap.instances[0].load > 0, "a pid that read nothing costs nothing"
 
 
 def test_the_snapshot_charges_a_moved_pids_work_to_its_new_owner() -> None:
