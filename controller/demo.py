@@ -210,6 +210,7 @@ def _run_live(
 ) -> tuple[LiveStats, float]:
     """Start the controller, instances and generator, show the live view until all input is processed."""
     from controller.runner import instance_names
+    from pipeline.control import ControlLog
 
     stats = LiveStats()
     t0 = time.monotonic()
@@ -221,6 +222,7 @@ def _run_live(
     pipeline.wait_running(names)
     pipeline.start_generator()
     follower = MetricsFollower(pipeline.cfg, pipeline.bootstrap)
+    control = ControlLog(pipeline.bootstrap, pipeline.cfg.control_topic)
     console.print(
         f"pipeline {cfg.pipeline}: {cfg.instances} instances, policy {policy}, generating for "
         f"{cfg.generator.duration_s:.0f} s; logs in {pipeline.work}"
@@ -234,7 +236,7 @@ def _run_live(
                 now = time.monotonic()
                 if now - last_check > 2:
                     last_check = now
-                    left = backlog(pipeline.cfg, pipeline.bootstrap)
+                    left = backlog(pipeline.cfg, pipeline.bootstrap, control)
                     failed = pipeline.failed()
                     if failed:
                         name = next(iter(failed))
@@ -249,4 +251,5 @@ def _run_live(
             stats.add(record)
     finally:
         follower.close()
+        control.close()
     return stats, run_s

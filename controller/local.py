@@ -17,12 +17,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import yaml
 
 from pipeline.config import Config
+
+if TYPE_CHECKING:
+    from pipeline.control import ControlLog
 
 
 def pid_spec(pids: range | list[int]) -> str:
@@ -176,7 +179,7 @@ def end_offsets(cfg: Config, bootstrap: str) -> dict[tuple[str, int], int]:
     return {(stream_of[t], p): o for (t, p), o in partition_offsets(admin_client(bootstrap), wanted).items()}
 
 
-def backlog(cfg: Config, bootstrap: str) -> int:
+def backlog(cfg: Config, bootstrap: str, control: ControlLog | None = None) -> int:
     """Input messages not yet covered by a committed batch of every instance that must read them, over
     all pids.
 
@@ -186,15 +189,18 @@ def backlog(cfg: Config, bootstrap: str) -> int:
     the other; and a pid handed off but not yet read by its new owner is not covered at all. Measured:
     a skew run stopped while 9 hot pids were handed off, their sources having read to the end of the
     input, and a fifth of the results were missing. Without an assignment (instances on fixed pids),
-    the furthest any instance has committed."""
+    the furthest any instance has committed.
+
+    A caller that polls passes its `control` log, which reads on from where it stopped; without one,
+    a log is opened and closed for this call."""
     from pipeline.control import ControlLog
     from pipeline.sink import newest_markers
 
-    log = ControlLog(bootstrap, cfg.control_topic)
-    try:
-        a = log.catch_up().assignment
-    finally:
-        log.close()
+    if control is None:
+        with contextlib.closing(ControlLog(bootstrap, cfg.control_topic)) as log:
+            a = log.catch_up().assignment
+    else:
+        a = control.catch_up().assignment
     ends = end_offsets(cfg, bootstrap)
     if a is None:
         done = committed_offsets(cfg, bootstrap)
@@ -212,18 +218,21 @@ def backlog(cfg: Config, bootstrap: str) -> int:
 def wait_drained(pipeline: LocalPipeline, timeout_s: float) -> None:
     """Block until every input message is covered by a committed batch of every instance that must
     read it (`backlog`), or raise."""
+    from pipeline.control import ControlLog
+
     deadline = time.monotonic() + timeout_s
-    while True:
-        left = backlog(pipeline.cfg, pipeline.bootstrap)
-        if left == 0:
-            return
-        failed = pipeline.failed()
-        if failed:
-            name = next(iter(failed))
-            raise RuntimeError(f"{name} exited with {failed[name]}:\n{pipeline.log_tail(name)}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{left} input messages still unprocessed after {timeout_s:.0f} s")
-        time.sleep(1.0)
+    with contextlib.closing(ControlLog(pipeline.bootstrap, pipeline.cfg.control_topic)) as control:
+        while True:
+            left = backlog(pipeline.cfg, pipeline.bootstrap, control)
+            if left == 0:
+                return
+            failed = pipeline.failed()
+            if failed:
+                name = next(iter(failed))
+                raise RuntimeError(f"{name} exited with {failed[name]}:\n{pipeline.log_tail(name)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{left} input messages still unprocessed after {timeout_s:.0f} s")
+            time.sleep(1.0)
 
 
 def weighted_percentiles(records: list[dict[str, Any]], qs: tuple[float, ...]) -> tuple[float | None, ...]:

@@ -104,11 +104,11 @@ def fixed_cost_s(batches: Sequence[dict[str, Any]]) -> float:
     return min(max(intercept, 0.0), min(durations))
 
 
-def split_busy(described: Sequence[dict[str, Any]], history: Sequence[dict[str, Any]]) -> tuple[float, float]:
-    """(busy_fraction(described), the part of it that is fixed per-batch cost, fitted on `history`)."""
+def split_busy(described: Sequence[dict[str, Any]], fixed_s: float) -> tuple[float, float]:
+    """(busy_fraction(described), the part of it that is fixed per-batch cost, `fixed_s` a batch)."""
     busy = busy_fraction(described)
     period = _period_s(described)
-    fixed = fixed_cost_s(history) * len(described) / period if period > 0 else 0.0
+    fixed = fixed_s * len(described) / period if period > 0 else 0.0
     return busy, min(busy, fixed)
 
 
@@ -206,8 +206,9 @@ def snapshot_of(
                 by[i] = by.get(i, 0.0) + s["in"] * per_interval
     measured = arrival_rates(history, described)
     rates = {p: measured.get(p, sum(by.values()) / interval_s) for p, by in read.items()} | measured
-    busy = {i: split_busy(described[i], history[i]) for i in live}
-    cost = {i: cost_per_tuple_s(described[i], fixed_cost_s(history[i])) for i in live}
+    fixed_s = {i: fixed_cost_s(history[i]) for i in live}
+    busy = {i: split_busy(described[i], fixed_s[i]) for i in live}
+    cost = {i: cost_per_tuple_s(described[i], fixed_s[i]) for i in live}
     owned = {p: o for p, o in assignment.owners.items() if o in history}
     demand = {i: busy[i][1] for i in live}
     for p, owner in owned.items():
