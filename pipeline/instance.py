@@ -97,6 +97,7 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
         .option("tasks", "2")
         .option("window_ms", str(cfg.window_ms))
         .option("lateness_ms", str(cfg.allowed_lateness_ms))
+        .option("trigger_ms", str(cfg.instance.trigger_ms))
         .load()
     )
     joined = rows.groupBy("pid").applyInPandasWithState(

@@ -57,6 +57,10 @@ WINDOW_ROW = 16  # WINDOW_ROW + j: a window tuple of stream j to install, not to
 SILENT_ROW = 32  # SILENT_ROW + j: a tuple of stream j a dead instance processed: processed again, silently
 _READ_TIMEOUT_S = 60.0
 SAMPLE_EVERY_S = 30.0
+# An instance is behind when more input waits than arrives in this many trigger intervals (and at least
+# MIN_BEHIND_S seconds' worth, for triggers of a fraction of a second).
+BEHIND_TRIGGERS = 2
+MIN_BEHIND_S = 2.0
 
 
 # --- the assignment file: written by the instance's control follower, read at batch boundaries ---
@@ -210,6 +214,31 @@ def whole_pids_within(start: Offsets, latest: Offsets, cap: int, first_pid: int)
     return out, next_pid
 
 
+@dataclass(slots=True)
+class ArrivalMeter:
+    """Messages appended to an instance's pids per second, measured between two batch plans (the
+    latest offsets the source fetches anyway)."""
+
+    seen_at: float | None = None
+    seen: dict[tuple[str, str], int] = field(default_factory=dict)
+    rate: float | None = None  # messages per second; None until two plans have been seen
+
+    def observe(self, latest: Offsets, now: float) -> None:
+        common = [(s, p) for s in latest for p in latest[s] if (s, p) in self.seen]
+        if self.seen_at is not None and now > self.seen_at and common:
+            grown = sum(latest[s][p] - self.seen[(s, p)] for s, p in common)
+            self.rate = max(0, grown) / (now - self.seen_at)
+        self.seen = {(s, p): o for s in latest for p, o in latest[s].items()}
+        self.seen_at = now
+
+    def behind(self, begin: Offsets, latest: Offsets, horizon_s: float) -> bool:
+        """More input waits between `begin` and `latest` than arrives in `horizon_s` seconds."""
+        if self.rate is None:
+            return False
+        waiting = sum(latest[s][p] - begin[s][p] for s in latest for p in latest[s])
+        return waiting > self.rate * horizon_s
+
+
 # --- Spark wiring ---
 
 
@@ -217,7 +246,8 @@ class FluxjoinSource(DataSource):
     """Options: `bootstrap`, `streams` (comma separated, configured order), `topics` (same order),
     `assignment` (path of the assignment file), `partitions` (P), `max_rows` (tuples per batch, about:
     the source's default read limit), `tasks` (read parallelism), `window_ms` and
-    `lateness_ms` (how far back a replayed window reaches)."""
+    `lateness_ms` (how far back a replayed window reaches), `trigger_ms` (the query's trigger interval:
+    how much waiting input makes the instance behind)."""
 
     @classmethod
     def name(cls) -> str:
@@ -241,6 +271,12 @@ class FluxjoinStreamReader(DataSourceStreamReader):
     batch's start offset); `released` and `acquired` tell the sink which acknowledgements to commit with
     it. All of it is decided in `latestOffset` and logged by Spark, so a restarted query replays the very
     same batch.
+
+    Except when the instance is behind (more input waits than arrives in two trigger intervals): then a
+    batch that releases moved pids reads no new input, and the moved pids' cutoffs are where the last
+    batch stopped. Read as usual, that batch would join the instance's whole backlog before the
+    release commits with it, on the very instance a move relieves; this way the release costs one
+    batch's fixed cost, and the receiver reads the moved pids' part of the backlog.
     """
 
     def __init__(self, options: dict[str, str]) -> None:
@@ -252,6 +288,9 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self.max_rows = int(options.get("max_rows", "200000"))
         self.tasks = int(options.get("tasks", "2"))
         self.reach_back_ms = int(options.get("window_ms", "0")) + 2 * int(options.get("lateness_ms", "0"))
+        trigger_s = int(options.get("trigger_ms", "0")) / 1000
+        self.behind_horizon_s = max(BEHIND_TRIGGERS * trigger_s, MIN_BEHIND_S)
+        self._arrivals = ArrivalMeter()
         self._admin: Any = None
         self._consumer: Any = None
         self._per_message: float | None = None
@@ -405,7 +444,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         held: Offsets = plan["offsets"]
         leaving = self._read_to_cutoff(start, plan["released"])
         begin = {s: {**held[s], **{p: start["offsets"][s][p] for p in leaving}} for s in self.streams}
-        end, next_pid = self._read_up_to(begin, limit, int(start.get("next_pid", 0)))
+        moves_out = any(r["move_id"] for r in plan["released"].values())
+        end, next_pid = self._read_up_to(begin, limit, int(start.get("next_pid", 0)), moves_out)
         for p in leaving:
             plan["released"][p]["cutoff"] = {s: end[s][p] for s in self.streams}
         plan["from"] = {
@@ -420,13 +460,19 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         read = start["offsets"].get(self.streams[0], {})
         return [p for p, r in released.items() if r["move_id"] and not r.get("track") and p in read]
 
-    def _read_up_to(self, begin: Offsets, limit: ReadLimit, first_pid: int) -> tuple[Offsets, dict[str, int]]:
+    def _read_up_to(
+        self, begin: Offsets, limit: ReadLimit, first_pid: int, moves_out: bool = False
+    ) -> tuple[Offsets, dict[str, int]]:
         """End offsets of a batch starting at `begin`: every pid's latest offsets, or whole pids round
-        robin from `first_pid` when the backlog exceeds the read limit (then also `{"next_pid": ...}`)."""
+        robin from `first_pid` when the backlog exceeds the read limit (then also `{"next_pid": ...}`);
+        `begin` itself for a batch that moves pids out of an instance that is behind."""
         pids = sorted(int(p) for p in begin[self.streams[0]])
         if not pids:
             return begin, {}
         latest = self._watermarks(pids, "latest")
+        self._arrivals.observe(latest, time.monotonic())
+        if moves_out and self._arrivals.behind(begin, latest, self.behind_horizon_s):
+            return begin, {"next_pid": first_pid}
         if isinstance(limit, ReadAllAvailable):
             return latest, {}
         rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.max_rows

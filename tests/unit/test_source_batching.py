@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.source import whole_pids_within
+from pipeline.source import ArrivalMeter, whole_pids_within
 
 
 def offsets(**by_stream: dict[int, int]) -> dict[str, dict[str, int]]:
@@ -38,3 +38,32 @@ def test_every_pid_is_served_within_a_round() -> None:
 def test_nothing_to_cut_without_pids() -> None:
     empty = offsets(A={}, B={})
     assert whole_pids_within(empty, empty, cap=5, first_pid=3) == (empty, 3)
+
+
+def test_arrivals_are_measured_between_two_plans() -> None:
+    meter = ArrivalMeter()
+    meter.observe(offsets(A={0: 0, 1: 0}, B={0: 0, 1: 0}), now=10.0)
+    assert meter.rate is None
+    meter.observe(offsets(A={0: 30, 1: 10}, B={0: 20, 1: 20}), now=20.0)
+    assert meter.rate == 8.0  # 80 messages in 10 s
+
+
+def test_a_pid_seen_for_the_first_time_adds_no_arrivals() -> None:
+    meter = ArrivalMeter()
+    meter.observe(offsets(A={0: 0}, B={0: 0}), now=0.0)
+    meter.observe(offsets(A={0: 10, 5: 1000}, B={0: 10, 5: 1000}), now=10.0)  # pid 5 just acquired
+    assert meter.rate == 2.0
+
+
+def test_an_instance_is_behind_when_more_waits_than_arrives_within_the_horizon() -> None:
+    meter = ArrivalMeter()
+    meter.observe(offsets(A={0: 0}, B={0: 0}), now=0.0)
+    meter.observe(offsets(A={0: 50}, B={0: 50}), now=10.0)  # 10 messages a second
+    begin = offsets(A={0: 30}, B={0: 30})
+    assert not meter.behind(begin, offsets(A={0: 50}, B={0: 50}), horizon_s=4.0)  # 40 waiting
+    assert meter.behind(begin, offsets(A={0: 60}, B={0: 50}), horizon_s=4.0)  # 50 waiting
+
+
+def test_nobody_is_behind_before_arrivals_are_known() -> None:
+    meter = ArrivalMeter()
+    assert not meter.behind(START, LATEST, horizon_s=1.0)
