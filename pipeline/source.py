@@ -231,12 +231,10 @@ class ArrivalMeter:
         self.seen = {(s, p): o for s in latest for p, o in latest[s].items()}
         self.seen_at = now
 
-    def behind(self, begin: Offsets, latest: Offsets, horizon_s: float) -> bool:
-        """More input waits between `begin` and `latest` than arrives in `horizon_s` seconds."""
-        if self.rate is None:
-            return False
-        waiting = sum(latest[s][p] - begin[s][p] for s in latest for p in latest[s])
-        return waiting > self.rate * horizon_s
+    def behind(self, waiting: int, horizon_s: float) -> bool:
+        """True when the `waiting` messages exceed what arrives in `horizon_s` seconds; never while the
+        rate is unknown."""
+        return self.rate is not None and waiting > self.rate * horizon_s
 
 
 # --- Spark wiring ---
@@ -471,12 +469,12 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             return begin, {}
         latest = self._watermarks(pids, "latest")
         self._arrivals.observe(latest, time.monotonic())
-        if moves_out and self._arrivals.behind(begin, latest, self.behind_horizon_s):
+        backlog = sum(latest[s][p] - begin[s][p] for s in latest for p in latest[s])
+        if moves_out and self._arrivals.behind(backlog, self.behind_horizon_s):
             return begin, {"next_pid": first_pid}
         if isinstance(limit, ReadAllAvailable):
             return latest, {}
         rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.max_rows
-        backlog = sum(latest[s][p] - begin[s][p] for s in latest for p in latest[s])
         cap = max(1, int(rows / self._tuples_per_message(begin, latest)))
         if backlog <= cap:
             return latest, {}
