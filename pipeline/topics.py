@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from pipeline.config import Config
 
@@ -110,7 +110,8 @@ def ensure_topics(cfg: Config, bootstrap: str, timeout_s: float = DEFAULT_TIMEOU
 
     Safe to call concurrently from several processes: a topic another process created in the
     meantime (TOPIC_ALREADY_EXISTS) is accepted once its partition count checks out. Returns once
-    every topic is visible in metadata, so a producer or consumer started next finds it.
+    every partition of every topic is served by its leader, so a producer started next neither
+    misses the topic nor writes to a partition its leader has not loaded yet (see `_await_leaders`).
     """
     admin = admin_client(bootstrap)
     specs = topic_specs(cfg)
@@ -133,6 +134,7 @@ def ensure_topics(cfg: Config, bootstrap: str, timeout_s: float = DEFAULT_TIMEOU
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
                     raise TopicError(f"cannot create topic {name}: {err}") from None
     _await_visible(admin, bootstrap, specs, max(timeout_s, VISIBLE_TIMEOUT_S))
+    _await_leaders(admin, specs, max(timeout_s, VISIBLE_TIMEOUT_S))
 
 
 def delete_topics(bootstrap: str, names: list[str]) -> None:
@@ -264,3 +266,33 @@ def partition_offsets(
             if not retry or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def _await_leaders(admin: AdminClient, specs: list[TopicSpec], timeout_s: float) -> None:
+    """Wait until every partition's leader answers a ListOffsets request for it.
+
+    Metadata names a new partition's leader before that broker has loaded the partition, and a
+    write in that gap fails with NOT_LEADER_OR_FOLLOWER. With an idempotent producer that is not a
+    harmless retry: librdkafka sends the next batch meanwhile, the broker accepts it as the first
+    sequence it has seen from this producer, and librdkafka then counts the failed batch as
+    delivered ("implicitly acked by subsequent batch success"). The batch is lost without an
+    error; on a freshly started broker about one generator run in ten lost a message this way. A
+    partition that answers ListOffsets takes writes, so no writer of ours starts inside the gap.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = [TopicPartition(s.name, p) for s in specs for p in range(s.partitions)]
+    while True:
+        futures = admin.list_offsets({tp: OffsetSpec.latest() for tp in pending}, request_timeout=timeout_s)
+        failed = []
+        for tp, fut in futures.items():
+            try:
+                fut.result()
+            except KafkaException:
+                failed.append(tp)
+        if not failed:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(sorted({f"{tp.topic}[{tp.partition}]" for tp in failed}))
+            raise TopicError(f"partitions without a serving leader after {timeout_s:g} s: {names}")
+        pending = failed
+        time.sleep(0.1)
