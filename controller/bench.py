@@ -343,9 +343,6 @@ def run_throughput_bench(
 # --- fluxjoin bench skew: static vs flux under skew that moves, each instance on a fixed CPU budget ---
 
 
-IDLE_BATCH_CORE_S = 0.9
-"""CPU an idle instance's micro-batch costs in the skew benchmark's shape: about 2 s on a 0.45-core
-quota (measured, decision 0010)."""
 FLUX_SKEW_MODE = "parallel_track"
 """Flux's moves run as parallel tracks (PTLB): with triggers of 4 s a transfer pauses the moved pid, a
 hot one carrying many results, for about three triggers (measured: the flux p50 at 12,000 tuples/s
@@ -354,13 +351,62 @@ FLUX_SKEW_MOVES_PER_PAIR = 8
 """Flux may move up to this many pids per pair and round (decision 0012): the hot set is 13 pids."""
 
 
-def skew_trigger_ms(cpu: float) -> int:
-    """The skew benchmark's trigger on a `cpu`-core budget: twice an idle instance's micro-batch,
-    rounded up to whole seconds (4 s at 0.45 cores, 8 s at 0.25), so that an idle instance idles
-    about half the time and busy fractions tell it from a loaded one. With back-to-back batches every
-    instance reads as fully busy and no policy can see the skew (measured at 0.25 cores and a 4 s
-    trigger: every instance read U = 1.0, and flux moved one pid in 90 s)."""
-    return 1000 * math.ceil(2 * IDLE_BATCH_CORE_S / cpu - 1e-9)
+def skew_trigger_ms(idle_batch_s: float) -> int:
+    """The skew benchmark's trigger: twice an idle instance's micro-batch, rounded up to whole seconds,
+    so that an idle instance idles about half the time and busy fractions tell it from a loaded one.
+    With back-to-back batches every instance reads as fully busy and no policy can see the skew
+    (measured at 0.25 cores and a 4 s trigger: every instance read U = 1.0, and flux moved one pid in
+    90 s)."""
+    return 1000 * math.ceil(2 * idle_batch_s - 1e-9)
+
+
+CALIBRATION_INPUT_S = 40.0
+"""Seconds of input in the trigger's calibration; its batches after the first 10 s give the median."""
+
+
+def measure_idle_batch_s(
+    cfg: Config,
+    bootstrap: str,
+    work: Path,
+    pipeline_name: str,
+    rate: float,
+    instances: int,
+    cpu: float,
+    key_seconds: float,
+    say: Callable[[str], None],
+) -> float:
+    """The median micro-batch of an idle instance of the skew shape, on this machine: one instance on
+    the `cpu` budget, fed what an instance away from the hot set gets at `rate` (its share of the 20%
+    of tuples outside the hot set), with a 1 s trigger so that batches run back to back.
+
+    Measured rather than assumed (decision 0016): an idle batch's cost assumed from one machine made
+    every instance read as busy on a machine twice as slow, and flux saw no skew to act on."""
+    c = skew_config(
+        cfg, pipeline_name, 0.2 * rate / instances, CALIBRATION_INPUT_S, 1, cpu, key_seconds, 1000
+    )
+    pipeline = LocalPipeline(c, bootstrap, work)
+    follower = MetricsFollower(c, bootstrap)
+    records: list[dict[str, Any]] = []
+    try:
+        start_warm(pipeline, follower, records, "static")
+        started_ms = time.time() * 1000
+        while pipeline.procs["generator"].poll() is None:
+            records.extend(follower.poll())
+            if pipeline.failed():
+                raise RuntimeError(f"a process failed: {pipeline.failed()}")
+    finally:
+        follower.close()
+        pipeline.stop()
+    durations = [
+        r["duration_s"] for r in records if r.get("kind") == "batch" and r["time_ms"] >= started_ms + 10_000
+    ]
+    if not durations:
+        raise RuntimeError(
+            f"the trigger's calibration saw no micro-batch in {CALIBRATION_INPUT_S:g} s of input"
+        )
+    idle_s = round(statistics.median(durations), 2)
+    say(f"skew: an idle batch takes {idle_s} s on {cpu:g} cores: trigger {skew_trigger_ms(idle_s)} ms")
+    return idle_s
 
 
 def flux_skew_params(trigger_ms: int) -> dict[str, float]:
@@ -392,7 +438,8 @@ def skew_config(
     seconds: float,
     instances: int,
     cpu: float,
-    key_seconds: float = 10.0,
+    key_seconds: float,
+    trigger_ms: int,
 ) -> Config:
     """2-way, W = 10 s, P = 64; 20% of the pids carry 80% of the tuples and the hot pids change every
     60 s; each instance runs on `cpu` cores (a cgroup quota), so skew cannot hide in shared cores.
@@ -429,7 +476,7 @@ def skew_config(
             },
             "instance.spark_master": "local[1]",
             "instance.shuffle_partitions": 2,
-            "instance.trigger_ms": skew_trigger_ms(cpu),
+            "instance.trigger_ms": trigger_ms,
             "instance.cpu_limit": cpu,
         },
     )
@@ -542,13 +589,18 @@ def run_skew_bench(
     run_id, work = new_run(cfg, "skew")
     points: dict[str, dict[float, dict[str, Any]]] = {"static": {}, "flux": {}}
     with broker_unless(cfg.bootstrap) as bootstrap:
+        calibration = f"{run_id}-calibration"
+        idle_s = measure_idle_batch_s(
+            cfg, bootstrap, work / calibration, calibration, min(rates), instances, cpu, key_seconds, say
+        )
+        trigger_ms = skew_trigger_ms(idle_s)
         for rate in sorted(rates):
             for policy in ("static", "flux"):
                 earlier = points[policy]
                 if earlier and not earlier[max(earlier)]["sustained"]:
                     continue
                 name = f"{run_id}-{policy}-{int(rate)}"
-                c = skew_config(cfg, name, rate, seconds, instances, cpu, key_seconds)
+                c = skew_config(cfg, name, rate, seconds, instances, cpu, key_seconds, trigger_ms)
                 earlier[rate] = measure_skew_point(c, bootstrap, work / name, policy, say)
         drop_run_topics(bootstrap, run_id, say)
     summary: dict[str, Any] = {}
@@ -558,6 +610,8 @@ def run_skew_bench(
         at = by_rate.get(best, {})
         summary[policy] = {
             "sustainable_rate": best,
+            "idle_batch_s": idle_s,
+            "trigger_ms": trigger_ms,
             "latency_p50_s": at.get("latency_p50_s"),
             "latency_p99_s": at.get("latency_p99_s"),
             "exact": all(p["exact"] for p in by_rate.values()),
@@ -842,9 +896,13 @@ def run_convergence_bench(
     run_id, work = new_run(cfg, "convergence")
     summary: dict[str, Any] = {}
     with broker_unless(cfg.bootstrap) as bootstrap:
+        calibration = f"{run_id}-calibration"
+        idle_s = measure_idle_batch_s(
+            cfg, bootstrap, work / calibration, calibration, rate, instances, cpu, 10, say
+        )
         for delta_min in delta_mins:
             name = f"{run_id}-d{delta_min:g}".replace(".", "p")
-            c = skew_config(cfg, name, rate, 2 * shift_s, instances, cpu)
+            c = skew_config(cfg, name, rate, 2 * shift_s, instances, cpu, 10, skew_trigger_ms(idle_s))
             c = c.with_overrides(**{"generator.keys.move_every_s": shift_s})
             summary[f"{delta_min:g}"] = measure_convergence(
                 c, bootstrap, work / name, delta_min, shift_s, say

@@ -8,9 +8,9 @@ from controller.bench import flux_skew_params, skew_config, skew_trigger_ms, sus
 from pipeline.config import load_config
 
 
-@pytest.mark.parametrize(("cpu", "trigger_ms"), [(0.45, 4000), (0.25, 8000), (1.0, 2000), (0.3, 6000)])
-def test_the_trigger_is_twice_an_idle_batch_on_the_budget(cpu: float, trigger_ms: int) -> None:
-    assert skew_trigger_ms(cpu) == trigger_ms
+@pytest.mark.parametrize(("idle_s", "trigger_ms"), [(2.0, 4000), (3.6, 8000), (1.0, 2000), (4.6, 10000)])
+def test_the_trigger_is_twice_an_idle_batch_in_whole_seconds(idle_s: float, trigger_ms: int) -> None:
+    assert skew_trigger_ms(idle_s) == trigger_ms
 
 
 def test_flux_collects_over_two_triggers_and_a_rate_may_drain_in_two_more_plus_ten_seconds() -> None:
@@ -24,6 +24,6 @@ def test_flux_collects_over_two_triggers_and_a_rate_may_drain_in_two_more_plus_t
     ("rate", "key_seconds", "keys"), [(4000, 1.0, 2000), (1000, 1.0, 512), (4000, 10, 20000)]
 )
 def test_keys_follow_the_rate_with_at_least_eight_per_pid(rate: float, key_seconds: float, keys: int) -> None:
-    cfg = skew_config(load_config(None), "p", rate, 90, 4, 0.25, key_seconds)
+    cfg = skew_config(load_config(None), "p", rate, 90, 4, 0.25, key_seconds, 8000)
     assert cfg.generator.keys.count == keys
     assert cfg.instance.trigger_ms == 8000 and cfg.instance.cpu_limit == 0.25
