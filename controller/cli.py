@@ -436,7 +436,8 @@ def bench_skew(
     ] = 10.0,
 ) -> None:
     """Sustainable input rate and latency of the static and flux policies under moving skew; every
-    point's output is checked against the oracle (exit 1 if one is not exact)."""
+    point's output is checked against the oracle (exit 1 if one is not exact). The trigger is twice an
+    idle batch, measured first on this machine (about two minutes)."""
     from controller.bench import run_skew_bench
 
     cfg = _config(config, set_, bootstrap)
