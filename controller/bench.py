@@ -277,10 +277,7 @@ def measure_latency(cfg: Config, bootstrap: str, work: Path, say: Callable[[str]
         pipeline.start_generator()
         started_ms = time.time() * 1000
         say(f"latency: {cfg.generator.duration_s:.0f} s of real-time input")
-        while pipeline.procs["generator"].poll() is None:
-            records.extend(follower.poll())
-            if pipeline.failed():
-                raise RuntimeError(f"a process failed: {pipeline.failed()}")
+        follow_input(pipeline, follower, records)
         wait_drained(pipeline, timeout_s=300)
         time.sleep(1.0)
         records.extend(_drain(follower))
@@ -390,10 +387,7 @@ def measure_idle_batch_s(
     try:
         start_warm(pipeline, follower, records, "static")
         started_ms = time.time() * 1000
-        while pipeline.procs["generator"].poll() is None:
-            records.extend(follower.poll())
-            if pipeline.failed():
-                raise RuntimeError(f"a process failed: {pipeline.failed()}")
+        follow_input(pipeline, follower, records)
     finally:
         follower.close()
         pipeline.stop()
@@ -482,6 +476,14 @@ def skew_config(
     )
 
 
+def follow_input(pipeline: LocalPipeline, follower: MetricsFollower, records: list[dict[str, Any]]) -> None:
+    """Keep the metrics records read until the generator exits; raise if a process failed meanwhile."""
+    while pipeline.procs["generator"].poll() is None:
+        records.extend(follower.poll())
+        if pipeline.failed():
+            raise RuntimeError(f"a process failed: {pipeline.failed()}")
+
+
 def wait_warm(
     pipeline: LocalPipeline,
     follower: MetricsFollower,
@@ -545,10 +547,7 @@ def measure_skew_point(
         params, mode = (flux_skew_params(trigger_ms), FLUX_SKEW_MODE) if flux else (None, "transfer")
         start_warm(pipeline, follower, records, policy, params, mode)
         started_ms = time.time() * 1000
-        while pipeline.procs["generator"].poll() is None:
-            records.extend(follower.poll())
-            if pipeline.failed():
-                raise RuntimeError(f"a process failed: {pipeline.failed()}")
+        follow_input(pipeline, follower, records)
         input_end = time.monotonic()
         wait_drained(pipeline, timeout_s=900)
         drain_s = time.monotonic() - input_end
