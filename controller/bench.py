@@ -887,6 +887,7 @@ def run_convergence_bench(
     shift_s: float = 60,
     instances: int = 4,
     cpu: float = 0.45,
+    key_seconds: float = 10.0,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Flux after a load shift, once per delta_min (the Flux paper's Fig. 9 sweep), in one run."""
@@ -897,11 +898,12 @@ def run_convergence_bench(
     with broker_unless(cfg.bootstrap) as bootstrap:
         calibration = f"{run_id}-calibration"
         idle_s = measure_idle_batch_s(
-            cfg, bootstrap, work / calibration, calibration, rate, instances, cpu, 10, say
+            cfg, bootstrap, work / calibration, calibration, rate, instances, cpu, key_seconds, say
         )
+        trigger_ms = skew_trigger_ms(idle_s)
         for delta_min in delta_mins:
             name = f"{run_id}-d{delta_min:g}".replace(".", "p")
-            c = skew_config(cfg, name, rate, 2 * shift_s, instances, cpu, 10, skew_trigger_ms(idle_s))
+            c = skew_config(cfg, name, rate, 2 * shift_s, instances, cpu, key_seconds, trigger_ms)
             c = c.with_overrides(**{"generator.keys.move_every_s": shift_s})
             summary[f"{delta_min:g}"] = measure_convergence(
                 c, bootstrap, work / name, delta_min, shift_s, say

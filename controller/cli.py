@@ -417,6 +417,15 @@ def bench_throughput(
             print(f"{key:>22}: {summary[key]}")
 
 
+KeySecondsOpt = Annotated[
+    float,
+    typer.Option(
+        help="Distinct keys: this many seconds of one stream's input. Smaller makes more results per "
+        "tuple (about 2 W / key-seconds), a heavier join."
+    ),
+]
+
+
 @bench_app.command("skew")
 def bench_skew(
     config: ConfigOpt = None,
@@ -427,13 +436,7 @@ def bench_skew(
     seconds: Annotated[float, typer.Option(help="Seconds of input per point.")] = 90,
     instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
     cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.45,
-    key_seconds: Annotated[
-        float,
-        typer.Option(
-            help="Distinct keys: this many seconds of one stream's input. Smaller makes more results per "
-            "tuple (about 2 W / key-seconds), a heavier join."
-        ),
-    ] = 10.0,
+    key_seconds: KeySecondsOpt = 10.0,
 ) -> None:
     """Sustainable input rate and latency of the static and flux policies under moving skew; every
     point's output is checked against the oracle (exit 1 if one is not exact). The trigger is twice an
@@ -485,6 +488,7 @@ def bench_convergence(
     shift: Annotated[float, typer.Option(help="Seconds until the hot pids change (run = twice this).")] = 60,
     instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
     cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.45,
+    key_seconds: KeySecondsOpt = 10.0,
 ) -> None:
     """Flux after a load shift: rounds and seconds until it stops moving, moves per minute, imbalance."""
     from controller.bench import run_convergence_bench
@@ -493,7 +497,7 @@ def bench_convergence(
     say = _progress(json_)
     wanted = _numbers(delta_min, "--delta-min", float)
     try:
-        summary = run_convergence_bench(cfg, wanted, rate, shift, instances, cpu, say)
+        summary = run_convergence_bench(cfg, wanted, rate, shift, instances, cpu, key_seconds, say)
     except _user_errors() as exc:
         fail(str(exc))
     series = ("imbalance_series", "move_times_s")
