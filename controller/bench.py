@@ -364,8 +364,8 @@ CALIBRATION_INPUT_S = 40.0
 def measure_idle_batch_s(
     cfg: Config,
     bootstrap: str,
+    run_id: str,
     work: Path,
-    pipeline_name: str,
     rate: float,
     instances: int,
     cpu: float,
@@ -378,10 +378,9 @@ def measure_idle_batch_s(
 
     Measured rather than assumed (decision 0016): an idle batch's cost assumed from one machine made
     every instance read as busy on a machine twice as slow, and flux saw no skew to act on."""
-    c = skew_config(
-        cfg, pipeline_name, 0.2 * rate / instances, CALIBRATION_INPUT_S, 1, cpu, key_seconds, 1000
-    )
-    pipeline = LocalPipeline(c, bootstrap, work)
+    name = f"{run_id}-calibration"
+    c = skew_config(cfg, name, 0.2 * rate / instances, CALIBRATION_INPUT_S, 1, cpu, key_seconds, 1000)
+    pipeline = LocalPipeline(c, bootstrap, work / name)
     follower = MetricsFollower(c, bootstrap)
     records: list[dict[str, Any]] = []
     try:
@@ -588,9 +587,8 @@ def run_skew_bench(
     run_id, work = new_run(cfg, "skew")
     points: dict[str, dict[float, dict[str, Any]]] = {"static": {}, "flux": {}}
     with broker_unless(cfg.bootstrap) as bootstrap:
-        calibration = f"{run_id}-calibration"
         idle_s = measure_idle_batch_s(
-            cfg, bootstrap, work / calibration, calibration, min(rates), instances, cpu, key_seconds, say
+            cfg, bootstrap, run_id, work, min(rates), instances, cpu, key_seconds, say
         )
         trigger_ms = skew_trigger_ms(idle_s)
         for rate in sorted(rates):
@@ -896,10 +894,7 @@ def run_convergence_bench(
     run_id, work = new_run(cfg, "convergence")
     summary: dict[str, Any] = {}
     with broker_unless(cfg.bootstrap) as bootstrap:
-        calibration = f"{run_id}-calibration"
-        idle_s = measure_idle_batch_s(
-            cfg, bootstrap, work / calibration, calibration, rate, instances, cpu, key_seconds, say
-        )
+        idle_s = measure_idle_batch_s(cfg, bootstrap, run_id, work, rate, instances, cpu, key_seconds, say)
         trigger_ms = skew_trigger_ms(idle_s)
         for delta_min in delta_mins:
             name = f"{run_id}-d{delta_min:g}".replace(".", "p")
