@@ -433,9 +433,10 @@ def skew_config(
     cpu: float,
     key_seconds: float,
     trigger_ms: int,
+    hot_set_s: float = 60.0,
 ) -> Config:
     """2-way, W = 10 s, P = 64; 20% of the pids carry 80% of the tuples and the hot pids change every
-    60 s; each instance runs on `cpu` cores (a cgroup quota), so skew cannot hide in shared cores.
+    `hot_set_s`; each instance runs on `cpu` cores (a cgroup quota), so skew cannot hide in shared cores.
     As many distinct keys as `key_seconds` of one stream's input (at least 8 per pid, so that every
     pid has keys): a tuple has about 2 W / key_seconds partners on average whatever the rate, so a
     smaller value makes a heavier join per tuple, and the work grows with the rate, not its square.
@@ -464,7 +465,7 @@ def skew_config(
                 "count": max(8 * partitions, int(per_stream * key_seconds)),
                 "hot_fraction": 0.2,
                 "hot_share": 0.8,
-                "move_every_s": 60,
+                "move_every_s": hot_set_s,
                 "layout": "contiguous",
             },
             "instance.spark_master": "local[1]",
@@ -579,6 +580,7 @@ def run_skew_bench(
     instances: int = 4,
     cpu: float = 0.45,
     key_seconds: float = 10.0,
+    hot_set_s: float = 60.0,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Both policies at each rate (ascending), side by side; stops a policy at its first failed rate."""
@@ -597,7 +599,7 @@ def run_skew_bench(
                 if earlier and not earlier[max(earlier)]["sustained"]:
                     continue
                 name = f"{run_id}-{policy}-{int(rate)}"
-                c = skew_config(cfg, name, rate, seconds, instances, cpu, key_seconds, trigger_ms)
+                c = skew_config(cfg, name, rate, seconds, instances, cpu, key_seconds, trigger_ms, hot_set_s)
                 earlier[rate] = measure_skew_point(c, bootstrap, work / name, policy, say)
         drop_run_topics(bootstrap, run_id, say)
     summary: dict[str, Any] = {}
@@ -607,6 +609,7 @@ def run_skew_bench(
         at = by_rate.get(best, {})
         summary[policy] = {
             "sustainable_rate": best,
+            "hot_set_s": hot_set_s,
             "idle_batch_s": idle_s,
             "trigger_ms": trigger_ms,
             "latency_p50_s": at.get("latency_p50_s"),
@@ -898,8 +901,7 @@ def run_convergence_bench(
         trigger_ms = skew_trigger_ms(idle_s)
         for delta_min in delta_mins:
             name = f"{run_id}-d{delta_min:g}".replace(".", "p")
-            c = skew_config(cfg, name, rate, 2 * shift_s, instances, cpu, key_seconds, trigger_ms)
-            c = c.with_overrides(**{"generator.keys.move_every_s": shift_s})
+            c = skew_config(cfg, name, rate, 2 * shift_s, instances, cpu, key_seconds, trigger_ms, shift_s)
             summary[f"{delta_min:g}"] = measure_convergence(
                 c, bootstrap, work / name, delta_min, shift_s, say
             )

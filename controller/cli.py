@@ -437,6 +437,7 @@ def bench_skew(
     instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
     cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.45,
     key_seconds: KeySecondsOpt = 10.0,
+    hot_set_s: Annotated[float, typer.Option(help="Seconds between moves of the hot pids.")] = 60,
 ) -> None:
     """Sustainable input rate and latency of the static and flux policies under moving skew; every
     point's output is checked against the oracle (exit 1 if one is not exact). The trigger is twice an
@@ -447,7 +448,7 @@ def bench_skew(
     say = _progress(json_)
     wanted = _numbers(rates, "--rates", float)
     try:
-        summary = run_skew_bench(cfg, wanted, seconds, instances, cpu, key_seconds, say)
+        summary = run_skew_bench(cfg, wanted, seconds, instances, cpu, key_seconds, hot_set_s, say)
     except _user_errors() as exc:
         fail(str(exc))
     compact = {p: {k: v for k, v in s.items() if k != "points"} for p, s in summary.items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from controller.bench import flux_skew_params, skew_config, skew_trigger_ms, sustained_drain_s
-from pipeline.config import load_config
+from pipeline.config import HotPidsKeys, load_config
 
 
 @pytest.mark.parametrize(("idle_s", "trigger_ms"), [(2.0, 4000), (3.6, 8000), (1.0, 2000), (4.6, 10000)])
@@ -27,3 +27,9 @@ def test_keys_follow_the_rate_with_at_least_eight_per_pid(rate: float, key_secon
     cfg = skew_config(load_config(None), "p", rate, 90, 4, 0.25, key_seconds, 8000)
     assert cfg.generator.keys.count == keys
     assert cfg.instance.trigger_ms == 8000 and cfg.instance.cpu_limit == 0.25
+
+
+@pytest.mark.parametrize(("given", "period_s"), [({}, 60.0), ({"hot_set_s": 120.0}, 120.0)])
+def test_the_hot_pids_move_at_the_given_period(given: dict[str, float], period_s: float) -> None:
+    keys = skew_config(load_config(None), "p", 1000, 90, 4, 0.25, 1, 8000, **given).generator.keys
+    assert isinstance(keys, HotPidsKeys) and keys.move_every_s == period_s
