@@ -601,7 +601,14 @@ def run_skew_bench(
                 name = f"{run_id}-{policy}-{int(rate)}"
                 c = skew_config(cfg, name, rate, seconds, instances, cpu, key_seconds, trigger_ms, hot_set_s)
                 earlier[rate] = measure_skew_point(c, bootstrap, work / name, policy, say)
-        drop_run_topics(bootstrap, run_id, say)
+        inexact = [
+            f"{run_id}-{p}-{int(r)}" for p, by in points.items() for r, v in by.items() if not v["exact"]
+        ]
+        if inexact:  # the evidence of a wrong result outweighs the broker's disk
+            configs = " ".join(str(work / name / "config.yaml") for name in inexact)
+            say(f"kept the run's topics, a point was not exact: fluxjoin verify -c CONFIG for {configs}")
+        else:
+            drop_run_topics(bootstrap, run_id, say)
     summary: dict[str, Any] = {}
     for policy, by_rate in points.items():
         ok = [r for r, p in by_rate.items() if p["sustained"]]
