@@ -567,6 +567,10 @@ def measure_skew_point(
         "latency_p99_s": p99,
         "moves": moves,
         "results": report.produced,
+        "missing": report.missing,
+        "duplicate": report.duplicate,
+        "spurious": report.spurious,
+        "late": report.late,
         "exact": report.exact,
     }
     say(f"skew: {policy} at {cfg.generator.rate.rate * 2:,.0f} tuples/s: {point}")  # type: ignore[union-attr]
