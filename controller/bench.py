@@ -597,6 +597,7 @@ def run_skew_bench(
             cfg, bootstrap, run_id, work, min(rates), instances, cpu, key_seconds, say
         )
         trigger_ms = skew_trigger_ms(idle_s)
+        inexact: list[str] = []  # the config files of the points whose output was not exact
         for rate in sorted(rates):
             for policy in ("static", "flux"):
                 earlier = points[policy]
@@ -605,11 +606,10 @@ def run_skew_bench(
                 name = f"{run_id}-{policy}-{int(rate)}"
                 c = skew_config(cfg, name, rate, seconds, instances, cpu, key_seconds, trigger_ms, hot_set_s)
                 earlier[rate] = measure_skew_point(c, bootstrap, work / name, policy, say)
-        inexact = [
-            f"{run_id}-{p}-{int(r)}" for p, by in points.items() for r, v in by.items() if not v["exact"]
-        ]
+                if not earlier[rate]["exact"]:
+                    inexact.append(str(work / name / "config.yaml"))
         if inexact:  # the evidence of a wrong result outweighs the broker's disk
-            configs = " ".join(str(work / name / "config.yaml") for name in inexact)
+            configs = " ".join(inexact)
             say(f"kept the run's topics, a point was not exact: fluxjoin verify -c CONFIG for {configs}")
         else:
             drop_run_topics(bootstrap, run_id, say)
