@@ -43,6 +43,7 @@ from pipeline.join import (
     window_to_bytes,
 )
 from pipeline.source import (
+    DROP_ROW,
     MALFORMED_STREAM,
     RELEASE_ROW,
     SILENT_ROW,
@@ -87,6 +88,8 @@ def make_join_function(
         window = window_from_bytes(state.get[0]) if state.exists else WindowState.empty(streams)
         stream_col = rows["stream"].to_numpy()
         ids, keys, ts = (rows[c].to_numpy().astype(np.int64) for c in ("id", "key", "ts"))
+        if (stream_col == DROP_ROW).any():  # a returning pid: the window of its ended old track goes
+            window = WindowState.empty(streams)
 
         if ((stream_col >= WINDOW_ROW) & (stream_col < SILENT_ROW)).any() or (
             stream_col == WATERMARK_ROW

@@ -53,6 +53,7 @@ RELEASE_ROW = -2  # the pid leaves this instance; key = 1 to export its window
 WATERMARK_ROW = -3  # ts = the watermark of an installed snapshot
 TRACK_ROW = -4  # parallel track begins: key = TRACK_OLD (sender) / TRACK_NEW (ts = the sender's watermark)
 TRACK_OLD, TRACK_NEW = 1, 2
+DROP_ROW = -5  # the window this instance still holds for the pid is stale: dropped before anything else
 WINDOW_ROW = 16  # WINDOW_ROW + j: a window tuple of stream j to install, not to join
 SILENT_ROW = 32  # SILENT_ROW + j: a tuple of stream j a dead instance processed: processed again, silently
 _READ_TIMEOUT_S = 60.0
@@ -319,6 +320,11 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         Parallel track: a pid in transit in that mode is not released but kept, its overlap beginning
         here (`tracking` role "old", carried in every later offset until the track ends); a pid taken
         over in that mode is tracked "new" until the assignment drops its track.
+
+        An old side can learn that its track ended only together with the pid's move back to it (the
+        epochs between were published during one long batch): the pid is then owned and still tracked
+        "old". It returns: its stale window is dropped (a `DROP_ROW` marker, first in the batch) and it
+        enters at its handoff's cutoff like any pid taken over.
         """
         current: Offsets = offset["offsets"]
         first = self.streams[0]
@@ -327,13 +333,16 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         markers: list[tuple[int, int, int, int]] = []
         tracked_moves = {p: m for p, m in owned.releasing.items() if m.mode is Mode.PARALLEL_TRACK}
         starting = {p: m for p, m in tracked_moves.items() if before.get(str(p), {}).get("role") != "old"}
+        returning = {p for p in owned.pids if before.get(str(p), {}).get("role") == "old"}
         held = set(owned.pids) | set(owned.old_tracks) | set(tracked_moves)
         keep: Offsets = {
-            s: {p: o for p, o in current.get(s, {}).items() if int(p) in held} for s in self.streams
+            s: {p: o for p, o in current.get(s, {}).items() if int(p) in held - returning}
+            for s in self.streams
         }
         for key, t in before.items():
-            if int(key) in held and (t["role"] == "old" or int(key) in owned.new_tracks):
+            if int(key) in held - returning and (t["role"] == "old" or int(key) in owned.new_tracks):
                 tracking[key] = t
+        markers.extend((p, DROP_ROW, 0, 0) for p in sorted(returning))
         released = {}
         for p in sorted(int(p) for p in current.get(first, {}) if int(p) not in held):
             move = owned.releasing.get(p)
@@ -446,8 +455,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         end, next_pid = self._read_up_to(begin, limit, int(start.get("next_pid", 0)), moves_out)
         for p in leaving:
             plan["released"][p]["cutoff"] = {s: end[s][p] for s in self.streams}
-        plan["from"] = {
-            s: {p: o for p, o in held[s].items() if p not in start["offsets"].get(s, {})} for s in held
+        plan["from"] = {  # pids entering where the start offset does not say (a returning one: elsewhere)
+            s: {p: o for p, o in held[s].items() if start["offsets"].get(s, {}).get(p) != o} for s in held
         }
         plan["offsets"] = {s: {p: end[s][p] for p in held[s]} for s in self.streams}
         return plan | next_pid

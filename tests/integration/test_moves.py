@@ -2,22 +2,27 @@
 
 At least 20 random moves in the three handoff modes under continuous input, a kill -9 of the controller in the
 middle of a move and of an instance (its pids are recovered by replay; it restarts empty): the results
-topic must still hold exactly the oracle's join. And the rarest recovery on purpose: the sender of a
-parallel track killed while it still holds old tuples.
+topic must still hold exactly the oracle's join. And two rare cases on purpose: the sender of a
+parallel track killed while it still holds old tuples, and a pid moved back to the old side of its
+track before that side saw the track end.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from controller.local import LocalPipeline, committed_offsets, wait_drained
 from controller.moves import request_moves
 from controller.soak import SoakPlan, Watch, acquired_by, evicted, rejoined, run_soak, soak_config
 from pipeline.config import load_config
+from pipeline.instance import instance_dir
 from pipeline.oracle import verify_pipeline
-from pipeline.protocol import Mode, track_key
+from pipeline.protocol import ControlView, Mode, track_key
 
 INSTANCES = ["instance-0", "instance-1", "instance-2"]
 
@@ -68,6 +73,78 @@ def test_a_parallel_track_sender_killed_in_the_overlap_is_resumed_exactly(
         watch.until(rejoined(sender), 120, f"{sender} rejoining")
         over = watch.until(lambda v: 3 not in (v.assignment.tracks if v.assignment else {}), 180, "the track")
         assert over.track_done[track_key(move, "old")].instance == holder, "ended where resumed"
+        pipeline.end_input()
+        wait_drained(pipeline, timeout_s=300)
+    finally:
+        watch.log.close()
+        pipeline.stop()
+    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
+    assert report.expected > 10_000, "the workload must produce a meaningful number of results"
+    assert (report.missing, report.duplicate, report.spurious) == (0, 0, 0), report.describe()
+
+
+def _old_side_done(move: str) -> Callable[[ControlView], bool]:
+    return lambda v: v.track_ended(move, "old")
+
+
+def _handed_over(move: str, pid: int) -> Callable[[ControlView], bool]:
+    return lambda v: move in v.released and v.assignment is not None and pid in v.assignment.handoffs
+
+
+def _returned_while_old(home: Path, pid: int) -> bool:
+    """Whether a batch of the instance began with `pid` tracked as an old side and acquired it (the source
+    offsets in Spark's offset log: one file per batch, the offset JSON on its last line)."""
+    files = sorted(
+        (f for f in (home / "checkpoint" / "offsets").iterdir() if f.name.isdigit()),
+        key=lambda f: int(f.name),
+    )
+    ends = [json.loads(f.read_text().splitlines()[-1]) for f in files]
+    return any(
+        before.get("tracking", {}).get(str(pid), {}).get("role") == "old"
+        and str(pid) in after.get("acquired", {})
+        for before, after in itertools.pairwise(ends)
+    )
+
+
+def test_a_pid_moved_back_before_its_old_side_saw_the_track_end_stays_exact(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """Pid 3's old side is frozen as soon as its old tuples expire; meanwhile the track ends and pid 3
+    moves back to it. It wakes to an assignment that owns pid 3 with a handoff, the epochs between
+    unseen, as a loaded instance does after one long batch. It must acquire pid 3 afresh; kept as an
+    old side it would emit none of pid 3's later results. (The freeze can come too late, after the
+    side already planned a batch without the track: then the round trip is tried again.)"""
+    cfg = soak_config(load_config(), topic_prefix, seconds=300)
+    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
+    watch = Watch(pipeline)
+    try:
+        pipeline.start_controller(policy="static", heartbeat_timeout_s=60.0)
+        for name in INSTANCES:
+            pipeline.start_instance(name)
+        pipeline.wait_running(INSTANCES)
+        pipeline.start_generator()
+        start = watch.until(lambda v: bool(v.assignment and v.assignment.epoch == 0), 60, "epoch 0")
+        assert start.assignment is not None
+        side = start.assignment.owners[3]
+        other = next(name for name in INSTANCES if name != side)
+        home = instance_dir(pipeline.cfg, side)
+        watch.until(lambda v: committed_offsets(cfg, kafka_bootstrap).get(("A", 3), 0) >= 200, 120, "input")
+
+        for _ in range(3):
+            out = request_moves(cfg, kafka_bootstrap, [3], other, Mode.PARALLEL_TRACK).move_id(3)
+            watch.until(_old_side_done(out), 120, f"{side}'s old tuples expiring")
+            os.killpg(pipeline.procs[side].pid, signal.SIGSTOP)
+            try:
+                watch.until(lambda v: 3 not in (v.assignment.tracks if v.assignment else {}), 60, "the track")
+                back = request_moves(cfg, kafka_bootstrap, [3], side, Mode.PARALLEL_TRACK).move_id(3)
+                watch.until(_handed_over(back, 3), 60, f"pid 3 handed back to {side}")
+            finally:
+                os.killpg(pipeline.procs[side].pid, signal.SIGCONT)
+            watch.until(acquired_by(side, 3), 120, f"{side} acquiring pid 3 back")
+            if _returned_while_old(home, 3):
+                break
+        assert _returned_while_old(home, 3), f"{side} saw the track end before pid 3 came back, three times"
+        watch.until(lambda v: 3 not in (v.assignment.tracks if v.assignment else {}), 120, "the last track")
         pipeline.end_input()
         wait_drained(pipeline, timeout_s=300)
     finally:

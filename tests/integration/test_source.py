@@ -1,15 +1,31 @@
-"""The source's reads of pid ranges on a real broker."""
+"""The source on a real broker: its reads of pid ranges, and its plans across assignment epochs."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 from confluent_kafka import Producer
+from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from pipeline.codec import encode_tuples
 from pipeline.config import load_config
 from pipeline.partitioning import pids_of
-from pipeline.source import SILENT_ROW, WINDOW_ROW, PidRange, read_ranges
+from pipeline.protocol import Handoff, Mode, MoveSpec
+from pipeline.source import (
+    DROP_ROW,
+    SILENT_ROW,
+    TRACK_NEW,
+    TRACK_ROW,
+    WINDOW_ROW,
+    FluxjoinStreamReader,
+    KafkaPidPartition,
+    OwnedPids,
+    PidRange,
+    read_ranges,
+    write_assignment,
+)
 from pipeline.topics import ensure_topics
 
 PARTITIONS = 4
@@ -46,3 +62,55 @@ def test_back_to_back_ranges_of_one_partition_are_each_read_whole(
         0: list(range(25, 28)),
     }
     assert set(table["pid"]) == {1}
+
+
+def test_an_old_side_that_learns_its_track_ended_with_the_pids_return_enters_it_afresh(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """The epochs that end pid 1's parallel track and move it back were published during one long batch
+    of its old side, which next sees pid 1 owned, with a handoff. It must drop the old track's window and
+    enter at the handoff's cutoff, acknowledging it; kept as an old side, it would emit only results with
+    an old tuple (none are left) and never acquire the pid: every later result of pid 1 would be lost."""
+    cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
+    ensure_topics(cfg, kafka_bootstrap)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for i in range(30):
+        one = np.array([i], dtype=np.int64)
+        for stream in ("A", "B"):
+            body = encode_tuples(one, one, one, np.zeros((1, 0), np.uint8))
+            producer.produce(cfg.input_topic(stream), body, partition=1)
+    assert producer.flush(30) == 0
+    assignment = tmp_path / "assignment.json"
+    reader = FluxjoinStreamReader(
+        {
+            "bootstrap": kafka_bootstrap,
+            "streams": "A,B",
+            "topics": f"{cfg.input_topic('A')},{cfg.input_topic('B')}",
+            "assignment": str(assignment),
+            "partitions": str(PARTITIONS),
+        }
+    )
+
+    def plan(start: dict, owned: OwnedPids) -> dict:
+        write_assignment(assignment, owned)
+        return reader.latestOffset(start, ReadAllAvailable())
+
+    owning = plan(reader.initialOffset(), OwnedPids(epoch=0, pids=frozenset({0, 1})))
+    out = MoveSpec(move_id="m-out", pid=1, source="here", target="there", mode=Mode.PARALLEL_TRACK)
+    tracking = plan(owning, OwnedPids(epoch=1, pids=frozenset({0}), releasing={1: out}))
+    assert tracking["tracking"] == {"1": {"role": "old", "move_id": "m-out"}}
+    assert tracking["offsets"]["A"]["1"] == 30, "the old side reads on"
+
+    back = Handoff(move_id="m-back", mode=Mode.PARALLEL_TRACK, cutoff={"A": 20, "B": 25}, watermark=7)
+    returned = plan(
+        tracking,
+        OwnedPids(epoch=5, pids=frozenset({0, 1}), handoffs={1: back}, new_tracks={1: "m-back"}),
+    )
+    assert list(returned["acquired"]) == ["1"]
+    assert returned["tracking"] == {"1": {"role": "new", "move_id": "m-back"}}
+    assert [m[:2] for m in returned["markers"] if m[0] == 1] == [(1, DROP_ROW), (1, TRACK_ROW)]
+    assert (1, TRACK_ROW, TRACK_NEW, 7) in returned["markers"]
+    assert {s: returned["from"][s]["1"] for s in ("A", "B")} == {"A": 20, "B": 25}
+    tasks = reader.partitions(tracking, returned)
+    ranges = [r for task in tasks if isinstance(task, KafkaPidPartition) for r in task.ranges if r.pid == 1]
+    assert sorted((r.stream_index, r.start, r.end) for r in ranges) == [(0, 20, 30), (1, 25, 30)]
