@@ -278,7 +278,8 @@ def finished_moves(before: Sequence[Move], after: ControlView) -> list[FinishedM
 
 
 class Observer:
-    """Tails the metrics topic: heartbeats (liveness) and per-batch records (load), from a minute ago."""
+    """Tails the metrics topic: heartbeats (liveness), per-batch records and the read reports of batches
+    in flight (load), from a minute ago."""
 
     def __init__(
         self, cfg: Config, bootstrap: str, heartbeat_timeout_s: float, clock: Callable[[], float]
@@ -292,6 +293,7 @@ class Observer:
         self.started = clock()
         self.seen: dict[str, tuple[float, str]] = {}  # instance -> (last heartbeat, incarnation)
         self.batches: list[dict[str, Any]] = []
+        self.readings: list[dict[str, Any]] = []  # what batches in flight have read (`report_reading`)
         # read_uncommitted: heartbeats are not transactional, and a dead instance's open transaction on
         # this topic must not hide the others' heartbeats (load figures from aborted batches are harmless).
         self._consumer = Consumer(
@@ -319,9 +321,13 @@ class Observer:
                 self.seen[record["instance"]] = (self.clock() - age_s, record["incarnation"])
             elif record.get("kind") == "batch":
                 self.batches.append(record)
+            elif record.get("kind") == "reading":
+                self.readings.append(record)
         cutoff = now_ms - 120_000
         if self.batches and self.batches[0]["time_ms"] < cutoff:
             self.batches = [b for b in self.batches if b["time_ms"] >= cutoff]
+        if self.readings and self.readings[0]["time_ms"] < cutoff:
+            self.readings = [r for r in self.readings if r["time_ms"] >= cutoff]
 
     def liveness(self) -> Liveness:
         now = self.clock()
@@ -430,7 +436,17 @@ class KafkaPidMover:
         in_flight = frozenset(m.pid for m in self.in_flight())
         live = sorted(self.observer.liveness().live)
         batches, now_ms = self.observer.batches, time.time() * 1000
-        return snapshot_of(batches, live, current, in_flight, now_ms, interval_s, now_s, last_adaptation_s)
+        return snapshot_of(
+            batches,
+            live,
+            current,
+            in_flight,
+            now_ms,
+            interval_s,
+            now_s,
+            last_adaptation_s,
+            self.observer.readings,
+        )
 
     # --- driving ---
 

@@ -159,6 +159,24 @@ def arrival_rates(
     return rates
 
 
+def in_flight_reading(
+    history: Sequence[dict[str, Any]], readings: Sequence[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """What an instance's batch in flight has read, as a record with a batch's `pids` (None if nothing):
+    its read reports (`pipeline.source.report_reading`) newer than its latest batch record, the newest
+    per (pid, stream), since a task that runs again reports again."""
+    since = history[-1]["time_ms"] if history else float("-inf")
+    ranges: dict[tuple[int, int], dict[str, Any]] = {}
+    for report in sorted(readings, key=lambda r: r["time_ms"]):
+        if report["time_ms"] > since:
+            ranges |= {(r["pid"], r["stream"]): r for r in report["ranges"]}
+    pids: dict[str, dict[str, int]] = {}
+    for (p, _), r in sorted(ranges.items()):
+        was = pids.get(str(p), {"in": 0, "newest_ms": 0})
+        pids[str(p)] = {"in": was["in"] + r["in"], "newest_ms": max(was["newest_ms"], r["newest_ms"])}
+    return {"pids": pids} if pids else None
+
+
 def snapshot_of(
     batches: list[dict[str, Any]],
     live: list[str],
@@ -168,6 +186,7 @@ def snapshot_of(
     interval_s: float,
     now_s: float,
     last_adaptation_s: float | None,
+    readings: Sequence[dict[str, Any]] = (),
 ) -> Snapshot:
     """Statistics of the instances' batch records that ended in the last `interval_s` seconds (or of
     each one's latest batch, `described_by`); the fixed cost of an instance's batches is fitted on all
@@ -177,6 +196,10 @@ def snapshot_of(
     rate (a pid's first record), its instances' counts are scaled to `interval_s` by the periods their
     described batches cover: a loaded instance's one batch may cover a minute while an idle one's
     cover the interval, and Flux's estimates compare a donor's pid with the receiver's total.
+
+    The rates count what instances' batches in flight have read (`readings`, `in_flight_reading`): a
+    loaded instance's batch lasts long, and a hot set that arrived during its last one would otherwise
+    show only when the next one ends.
 
     An instance's demand is the share of its time it needs to keep up with the pids the assignment
     gives it: its fixed per-batch share plus, per pid, the pid's arrival rate times the cost per tuple
@@ -204,7 +227,11 @@ def snapshot_of(
             for p, s in b["pids"].items():
                 by = read.setdefault(int(p), {})
                 by[i] = by.get(i, 0.0) + s["in"] * per_interval
-    measured = arrival_rates(history, described)
+    reading = {i: in_flight_reading(history[i], [r for r in readings if r["instance"] == i]) for i in live}
+    extra = {i: [r] if r else [] for i, r in reading.items()}
+    measured = arrival_rates(
+        {i: history[i] + extra[i] for i in live}, {i: described[i] + extra[i] for i in live}
+    )
     rates = {p: measured.get(p, sum(by.values()) / interval_s) for p, by in read.items()} | measured
     fixed_s = {i: fixed_cost_s(history[i]) for i in live}
     busy = {i: split_busy(described[i], fixed_s[i]) for i in live}

@@ -98,6 +98,8 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
         .option("window_ms", str(cfg.window_ms))
         .option("lateness_ms", str(cfg.allowed_lateness_ms))
         .option("trigger_ms", str(cfg.instance.trigger_ms))
+        .option("metrics_topic", cfg.metrics_topic)
+        .option("instance", name)
         .load()
     )
     joined = rows.groupBy("pid").applyInPandasWithState(

@@ -163,12 +163,27 @@ class HandoffWork:
     markers: tuple[tuple[int, int, int, int], ...] = ()  # (pid, stream code, key, ts): track rows
 
 
+@dataclass(frozen=True, slots=True)
+class ReadReport:
+    """Where a read task reports what it read: the metrics topic, under the instance's name."""
+
+    topic: str
+    instance: str
+
+
 class KafkaPidPartition(InputPartition):
-    def __init__(self, ranges: list[PidRange], partitions: int, handoff: HandoffWork | None = None) -> None:
+    def __init__(
+        self,
+        ranges: list[PidRange],
+        partitions: int,
+        handoff: HandoffWork | None = None,
+        report: ReadReport | None = None,
+    ) -> None:
         super().__init__(ranges)
         self.ranges = ranges
         self.partitions = partitions
         self.handoff = handoff or HandoffWork()
+        self.report = report
 
 
 def plan_partitions(ranges: Sequence[PidRange], max_tasks: int) -> list[list[PidRange]]:
@@ -290,6 +305,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         trigger_s = int(options.get("trigger_ms", "0")) / 1000
         self.behind_horizon_s = max(BEHIND_TRIGGERS * trigger_s, MIN_BEHIND_S)
         self._arrivals = ArrivalMeter()
+        metrics, instance = options.get("metrics_topic"), options.get("instance")
+        self.report = ReadReport(metrics, instance) if metrics and instance else None
         self._admin: Any = None
         self._consumer: Any = None
         self._per_message: float | None = None
@@ -547,7 +564,10 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             for i, s in enumerate(self.streams):
                 cutoff = end["released"][p]["cutoff"][s]
                 ranges.append(PidRange(i, self.topics[i], int(p), start["offsets"][s][p], cutoff))
-        tasks = [KafkaPidPartition(t, self.partition_count) for t in plan_partitions(ranges, self.tasks)]
+        tasks = [
+            KafkaPidPartition(t, self.partition_count, report=self.report)
+            for t in plan_partitions(ranges, self.tasks)
+        ]
         releases = tuple(  # a parallel track's sender keeps the window (its old tuples)
             (int(p), bool(r["export"])) for p, r in end.get("released", {}).items() if not r.get("track")
         )
@@ -576,7 +596,17 @@ class FluxjoinStreamReader(DataSourceStreamReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KafkaPidPartition)
         yield from handoff_rows(self.bootstrap, partition.handoff, len(self.streams))
-        yield from read_ranges(self.bootstrap, partition.ranges, partition.partitions)
+        read: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, stream) -> (tuples, newest event time)
+        for batch in read_ranges(self.bootstrap, partition.ranges, partition.partitions):
+            yield batch
+            code, ts = batch.column("stream").to_numpy(), batch.column("ts").to_numpy()
+            data = (code >= 0) & (code < WINDOW_ROW)
+            if data.any():  # one range: one pid, one stream
+                key = (int(batch.column("pid")[0].as_py()), int(code[data][0]))
+                n, newest = read.get(key, (0, 0))
+                read[key] = (n + int(data.sum()), max(newest, int(ts[data].max())))
+        if partition.report is not None and read:
+            report_reading(self.bootstrap, partition.report, read)
 
     def commit(self, end: dict) -> None:
         """Nothing to do: progress lives in Spark's offset log and the sink's commit topic."""
@@ -586,6 +616,40 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+
+
+def report_reading(
+    bootstrap: str, report: ReadReport, read: Mapping[tuple[int, int], tuple[int, int]]
+) -> None:
+    """Publish what a read task read, per (pid, stream): tuples and their newest event time, as soon as
+    its reading ends. The join, the long part of a loaded instance's batch, comes after, and the batch
+    record only at its end. The controller counts this in-flight input in the pids' arrival rates
+    (`controller.rounds.in_flight_reading`), so a hot set that arrived at a loaded instance shows a
+    batch earlier. Not transactional, like a heartbeat: a task that runs again reports again, and the
+    newest report of a (pid, stream) wins (a pid's streams may be read by different tasks)."""
+    record = {
+        "kind": "reading",
+        "instance": report.instance,
+        "time_ms": int(time.time() * 1000),
+        "ranges": [
+            {"pid": p, "stream": j, "in": n, "newest_ms": t} for (p, j), (n, t) in sorted(read.items())
+        ],
+    }
+    producer = _report_producer(bootstrap)
+    producer.produce(report.topic, key=report.instance, value=json.dumps(record))
+    producer.flush(5)
+
+
+_PRODUCERS: dict[str, Any] = {}
+
+
+def _report_producer(bootstrap: str) -> Any:
+    from confluent_kafka import Producer
+
+    producer = _PRODUCERS.get(bootstrap)
+    if producer is None:
+        producer = _PRODUCERS[bootstrap] = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
+    return producer
 
 
 def handoff_rows(bootstrap: str, work: HandoffWork, streams: int) -> Iterator[pa.RecordBatch]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from pipeline.codec import encode_tuples
@@ -73,11 +74,12 @@ def test_an_old_side_that_learns_its_track_ended_with_the_pids_return_enters_it_
     an old tuple (none are left) and never acquire the pid: every later result of pid 1 would be lost."""
     cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
     ensure_topics(cfg, kafka_bootstrap)
+    keys = [k for k in range(2000) if pids_of([k], PARTITIONS)[0] == 1][:30]
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    for i in range(30):
+    for i in range(30):  # one tuple per message: offset i holds tuple id i, event time i
         one = np.array([i], dtype=np.int64)
         for stream in ("A", "B"):
-            body = encode_tuples(one, one, one, np.zeros((1, 0), np.uint8))
+            body = encode_tuples(one, np.array([keys[i]]), one, np.zeros((1, 0), np.uint8))
             producer.produce(cfg.input_topic(stream), body, partition=1)
     assert producer.flush(30) == 0
     assignment = tmp_path / "assignment.json"
@@ -88,6 +90,8 @@ def test_an_old_side_that_learns_its_track_ended_with_the_pids_return_enters_it_
             "topics": f"{cfg.input_topic('A')},{cfg.input_topic('B')}",
             "assignment": str(assignment),
             "partitions": str(PARTITIONS),
+            "metrics_topic": cfg.metrics_topic,
+            "instance": "here",
         }
     )
 
@@ -114,3 +118,17 @@ def test_an_old_side_that_learns_its_track_ended_with_the_pids_return_enters_it_
     tasks = reader.partitions(tracking, returned)
     ranges = [r for task in tasks if isinstance(task, KafkaPidPartition) for r in task.ranges if r.pid == 1]
     assert sorted((r.stream_index, r.start, r.end) for r in ranges) == [(0, 20, 30), (1, 25, 30)]
+
+    # Reading the batch: pid 1 from the handoff's cutoff on, reported as soon as the reading ends.
+    table = pa.Table.from_batches([b for task in tasks for b in reader.read(task)]).to_pandas()
+    data = table[(table["pid"] == 1) & (table["stream"] >= 0)]
+    assert sorted(data["id"]) == sorted([*range(20, 30), *range(25, 30)])
+    consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "fluxjoin-unused"})
+    consumer.assign([TopicPartition(cfg.metrics_topic, 0, 0)])
+    reports = [json.loads(m.value() or b"{}") for m in consumer.consume(100, timeout=10) if m.error() is None]
+    consumer.close()
+    read = [r for report in reports if report["kind"] == "reading" for r in report["ranges"]]
+    assert sorted((r["pid"], r["stream"], r["in"], r["newest_ms"]) for r in read) == [
+        (1, 0, 10, 29),
+        (1, 1, 5, 29),
+    ]
