@@ -235,7 +235,12 @@ def snapshot_of(
     rates = {p: measured.get(p, sum(by.values()) / interval_s) for p, by in read.items()} | measured
     fixed_s = {i: fixed_cost_s(history[i]) for i in live}
     busy = {i: split_busy(described[i], fixed_s[i]) for i in live}
-    cost = {i: cost_per_tuple_s(described[i], fixed_s[i]) for i in live}
+    # Described batches that read nothing (a batch that released pids without reading, decision 0015)
+    # say nothing of a tuple's cost: the instance's other batches at hand do.
+    cost = {
+        i: cost_per_tuple_s(described[i], fixed_s[i]) or cost_per_tuple_s(history[i], fixed_s[i])
+        for i in live
+    }
     owned = {p: o for p, o in assignment.owners.items() if o in history}
     demand = {i: busy[i][1] for i in live}
     for p, owner in owned.items():

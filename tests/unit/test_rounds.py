@@ -318,3 +318,16 @@ def test_what_a_batch_in_flight_has_read_counts_in_the_arrival_rates() -> None:
     assert before.tuples_of(0) == 100, "12.5 tuples/s over the 8 s interval"
     assert after.tuples_of(0) == round(2100 / 16 * 8)
     assert after.instances[0].load > 1.0 > before.instances[0].load
+
+
+def test_a_donor_whose_last_batch_read_nothing_is_charged_its_earlier_cost_per_tuple() -> None:
+    """`a` released pids without reading (a batch of no input) and is now inside a long batch that has
+    read a hot pid 0. Its described batch says nothing of a tuple's cost; its earlier batches do."""
+    batches = [_batch("a", t, 2.0 + 0.01 * 100, 8.0, {0: 100, 1: 10}, newest_s=t) for t in (100, 108)]
+    batches.append(_batch("a", 112, 2.0, 4.0, {0: 0, 1: 0}, newest_s=0))
+    hot = {"pid": 0, "stream": 0, "in": 4000, "newest_ms": 124_000}
+    reading = {"kind": "reading", "instance": "a", "time_ms": 125_000, "ranges": [hot]}
+    snap = snapshot_of(batches, ["a"], ASSIGNMENT, frozenset(), 134_000, 8.0, 134.0, None, [reading])
+    assert snap.tuples_of(0) == round(4000 / 16 * 8)
+    # 250 tuples/s at the time its three batches took over the tuples they read (fixed cost unknown: 0).
+    assert snap.instances[0].load == pytest.approx(250 * 8.0 / 220)
