@@ -127,8 +127,6 @@ def run_soak(
         watch.until(lambda v: v.assignment is not None, 60, "epoch 0")
         pipeline.start_generator()
         while done["moves"] < plan.moves:
-            done["rounds"] += 1
-            round_no = done["rounds"]
             view = watch.log.catch_up()
             assert view.assignment is not None
             a = view.assignment
@@ -145,6 +143,9 @@ def run_soak(
                     )
                 time.sleep(0.2)  # every pid busy or already on the target: try again shortly
                 continue
+            # Only a round that requests moves counts: the kills then come every N such rounds, as planned.
+            done["rounds"] += 1
+            round_no = done["rounds"]
             mode = modes[round_no % len(modes)]
             request = request_moves(cfg, bootstrap, pids, target, mode)
             if plan.kill_controller_every and round_no % plan.kill_controller_every == 0:

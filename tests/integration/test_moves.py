@@ -37,6 +37,21 @@ def test_random_moves_and_kills_stay_exact(kafka_bootstrap: str, topic_prefix: s
     assert (report.missing, report.duplicate, report.spurious) == (0, 0, 0), report.describe()
 
 
+def _pid_3_flowing(pipeline: LocalPipeline, watch: Watch, heartbeat_timeout_s: float) -> str:
+    """Start a static controller, the instances and the input; pid 3's owner, once it has committed
+    200 of pid 3's messages."""
+    pipeline.start_controller(policy="static", heartbeat_timeout_s=heartbeat_timeout_s)
+    for name in INSTANCES:
+        pipeline.start_instance(name)
+    pipeline.wait_running(INSTANCES)
+    pipeline.start_generator()
+    start = watch.until(lambda v: bool(v.assignment and v.assignment.epoch == 0), 60, "epoch 0")
+    assert start.assignment is not None
+    cfg, bootstrap = pipeline.cfg, pipeline.bootstrap
+    watch.until(lambda v: committed_offsets(cfg, bootstrap).get(("A", 3), 0) >= 200, 120, "input")
+    return start.assignment.owners[3]
+
+
 def test_a_parallel_track_sender_killed_in_the_overlap_is_resumed_exactly(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
@@ -47,16 +62,8 @@ def test_a_parallel_track_sender_killed_in_the_overlap_is_resumed_exactly(
     pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
     watch = Watch(pipeline)
     try:
-        pipeline.start_controller(policy="static", heartbeat_timeout_s=6.0)
-        for name in INSTANCES:
-            pipeline.start_instance(name)
-        pipeline.wait_running(INSTANCES)
-        pipeline.start_generator()
-        start = watch.until(lambda v: bool(v.assignment and v.assignment.epoch == 0), 60, "epoch 0")
-        assert start.assignment is not None
-        sender = start.assignment.owners[3]
+        sender = _pid_3_flowing(pipeline, watch, heartbeat_timeout_s=6.0)
         receiver = next(name for name in INSTANCES if name != sender)
-        watch.until(lambda v: committed_offsets(cfg, kafka_bootstrap).get(("A", 3), 0) >= 200, 120, "input")
 
         move = request_moves(cfg, kafka_bootstrap, [3], receiver, Mode.PARALLEL_TRACK).move_id(3)
         released = watch.until(lambda v: move in v.released, 120, "the sender's release")
@@ -71,16 +78,24 @@ def test_a_parallel_track_sender_killed_in_the_overlap_is_resumed_exactly(
         watch.until(acquired_by(holder, 3), 120, f"{holder} resuming the old side")
         pipeline.start_instance(sender)
         watch.until(rejoined(sender), 120, f"{sender} rejoining")
-        over = watch.until(lambda v: 3 not in (v.assignment.tracks if v.assignment else {}), 180, "the track")
+        over = watch.until(_no_track(3), 180, "the track")
         assert over.track_done[track_key(move, "old")].instance == holder, "ended where resumed"
         pipeline.end_input()
         wait_drained(pipeline, timeout_s=300)
     finally:
         watch.log.close()
         pipeline.stop()
-    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
+    _assert_exact(pipeline)
+
+
+def _assert_exact(pipeline: LocalPipeline) -> None:
+    report = verify_pipeline(pipeline.cfg, pipeline.bootstrap)
     assert report.expected > 10_000, "the workload must produce a meaningful number of results"
     assert (report.missing, report.duplicate, report.spurious) == (0, 0, 0), report.describe()
+
+
+def _no_track(pid: int) -> Callable[[ControlView], bool]:
+    return lambda v: v.assignment is not None and pid not in v.assignment.tracks
 
 
 def _old_side_done(move: str) -> Callable[[ControlView], bool]:
@@ -118,24 +133,16 @@ def test_a_pid_moved_back_before_its_old_side_saw_the_track_end_stays_exact(
     pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
     watch = Watch(pipeline)
     try:
-        pipeline.start_controller(policy="static", heartbeat_timeout_s=60.0)
-        for name in INSTANCES:
-            pipeline.start_instance(name)
-        pipeline.wait_running(INSTANCES)
-        pipeline.start_generator()
-        start = watch.until(lambda v: bool(v.assignment and v.assignment.epoch == 0), 60, "epoch 0")
-        assert start.assignment is not None
-        side = start.assignment.owners[3]
+        side = _pid_3_flowing(pipeline, watch, heartbeat_timeout_s=60.0)
         other = next(name for name in INSTANCES if name != side)
         home = instance_dir(pipeline.cfg, side)
-        watch.until(lambda v: committed_offsets(cfg, kafka_bootstrap).get(("A", 3), 0) >= 200, 120, "input")
 
         for _ in range(3):
             out = request_moves(cfg, kafka_bootstrap, [3], other, Mode.PARALLEL_TRACK).move_id(3)
             watch.until(_old_side_done(out), 120, f"{side}'s old tuples expiring")
             os.killpg(pipeline.procs[side].pid, signal.SIGSTOP)
             try:
-                watch.until(lambda v: 3 not in (v.assignment.tracks if v.assignment else {}), 60, "the track")
+                watch.until(_no_track(3), 60, "the track")
                 back = request_moves(cfg, kafka_bootstrap, [3], side, Mode.PARALLEL_TRACK).move_id(3)
                 watch.until(_handed_over(back, 3), 60, f"pid 3 handed back to {side}")
             finally:
@@ -144,12 +151,10 @@ def test_a_pid_moved_back_before_its_old_side_saw_the_track_end_stays_exact(
             if _returned_while_old(home, 3):
                 break
         assert _returned_while_old(home, 3), f"{side} saw the track end before pid 3 came back, three times"
-        watch.until(lambda v: 3 not in (v.assignment.tracks if v.assignment else {}), 120, "the last track")
+        watch.until(_no_track(3), 120, "the last track")
         pipeline.end_input()
         wait_drained(pipeline, timeout_s=300)
     finally:
         watch.log.close()
         pipeline.stop()
-    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
-    assert report.expected > 10_000, "the workload must produce a meaningful number of results"
-    assert (report.missing, report.duplicate, report.spurious) == (0, 0, 0), report.describe()
+    _assert_exact(pipeline)
