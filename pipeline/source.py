@@ -352,12 +352,12 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         starting = {p: m for p, m in tracked_moves.items() if before.get(str(p), {}).get("role") != "old"}
         returning = {p for p in owned.pids if before.get(str(p), {}).get("role") == "old"}
         held = set(owned.pids) | set(owned.old_tracks) | set(tracked_moves)
+        kept = held - returning  # the held pids read on from where this query is
         keep: Offsets = {
-            s: {p: o for p, o in current.get(s, {}).items() if int(p) in held - returning}
-            for s in self.streams
+            s: {p: o for p, o in current.get(s, {}).items() if int(p) in kept} for s in self.streams
         }
         for key, t in before.items():
-            if int(key) in held - returning and (t["role"] == "old" or int(key) in owned.new_tracks):
+            if int(key) in kept and (t["role"] == "old" or int(key) in owned.new_tracks):
                 tracking[key] = t
         markers.extend((p, DROP_ROW, 0, 0) for p in sorted(returning))
         released = {}

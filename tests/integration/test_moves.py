@@ -10,7 +10,6 @@ track before that side saw the track end.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from pipeline.config import load_config
 from pipeline.instance import instance_dir
 from pipeline.oracle import verify_pipeline
 from pipeline.protocol import ControlView, Mode, track_key
+from pipeline.sink import read_logged_offsets
 
 INSTANCES = ["instance-0", "instance-1", "instance-2"]
 
@@ -108,12 +108,10 @@ def _handed_over(move: str, pid: int) -> Callable[[ControlView], bool]:
 
 def _returned_while_old(home: Path, pid: int) -> bool:
     """Whether a batch of the instance began with `pid` tracked as an old side and acquired it (the source
-    offsets in Spark's offset log: one file per batch, the offset JSON on its last line)."""
-    files = sorted(
-        (f for f in (home / "checkpoint" / "offsets").iterdir() if f.name.isdigit()),
-        key=lambda f: int(f.name),
-    )
-    ends = [json.loads(f.read_text().splitlines()[-1]) for f in files]
+    offsets in Spark's offset log)."""
+    checkpoint = home / "checkpoint"
+    batches = sorted(int(f.name) for f in (checkpoint / "offsets").iterdir() if f.name.isdigit())
+    ends = [read_logged_offsets(checkpoint, b) for b in batches]
     return any(
         before.get("tracking", {}).get(str(pid), {}).get("role") == "old"
         and str(pid) in after.get("acquired", {})
