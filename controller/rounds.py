@@ -128,17 +128,26 @@ def cost_per_tuple_s(described: Sequence[dict[str, Any]], fixed_s: float) -> flo
     return max(sum(b["duration_s"] for b in described) - fixed_s * len(described), 0.0) / tuples
 
 
+RATE_SPAN_S = 10.0
+"""Least event time a pid's arrival rate is measured over: its newest records that cover this much."""
+
+
 def arrival_rates(
     history: Mapping[str, Sequence[dict[str, Any]]], described: Mapping[str, Sequence[dict[str, Any]]]
 ) -> dict[int, float]:
-    """Tuples per second arriving for each pid, from the batches that read its tuples.
+    """Tuples per second arriving for each pid now, from the newest batches that read its tuples.
 
     A batch record carries, per pid, the tuples it read and the newest event time among them. Ordered
     by that time, whichever instance read them (a moved pid's records come from its old and new
-    owners), the records from the first in a `described` batch onwards hold the tuples that arrived
-    since the record before it, over the event time between the two. The figure does not depend on
-    how far behind a reader is: a receiver's first batch of a moved pid reads the backlog since the
-    cutoff, and its event time spans that whole backlog. A pid with no earlier record has no rate.
+    owners), a run of records ending at the newest holds the tuples that arrived since the record
+    before it, over the event time between the two. The figure does not depend on how far behind a
+    reader is: a receiver's first batch of a moved pid reads the backlog since the cutoff, and its
+    event time spans that whole backlog.
+
+    The run is the newest records that cover RATE_SPAN_S, within those in a `described` batch: a
+    batch reads what arrived during the one before, so a loaded instance's described batches may
+    reach back half a minute, to before a hot set moved, and rank the pids it left above the ones it
+    reached (decision 0018). A pid with no record before its first described one has no rate.
     """
     records: dict[int, list[tuple[int, int, bool]]] = {}
     for i, batches in history.items():
@@ -153,9 +162,14 @@ def arrival_rates(
         first = next((k for k, r in enumerate(rs) if r[2]), 0)
         if first == 0:
             continue
-        span_s = (rs[-1][0] - rs[first - 1][0]) / 1000.0
+        newest_ms = rs[-1][0]
+        covering = (
+            k for k in range(len(rs) - 1, first - 1, -1) if newest_ms - rs[k - 1][0] >= RATE_SPAN_S * 1000
+        )
+        start = next(covering, first)
+        span_s = (newest_ms - rs[start - 1][0]) / 1000.0
         if span_s > 0:
-            rates[p] = sum(r[1] for r in rs[first:]) / span_s
+            rates[p] = sum(r[1] for r in rs[start:]) / span_s
     return rates
 
 

@@ -331,3 +331,21 @@ def test_a_donor_whose_last_batch_read_nothing_is_charged_its_earlier_cost_per_t
     assert snap.tuples_of(0) == round(4000 / 16 * 8)
     # 250 tuples/s at the time its three batches took over the tuples they read (fixed cost unknown: 0).
     assert snap.instances[0].load == pytest.approx(250 * 8.0 / 220)
+
+
+def test_a_pids_rate_follows_its_newest_input_not_the_interval_before_it() -> None:
+    """The hot set moved from pid 7 to pid 25 at 135 s. `a`'s batches take 19 s, so the batch ending
+    in the interval read 33 s of arrivals (102-135 s, pid 7 hot throughout), and the batch in flight
+    has read the 19 s since (pid 25 hot). The newest input ranks pid 25 above pid 7; measured since
+    the record before the described batch, pid 7 (3,400 tuples over 52 s) would outrank pid 25 (2,400)."""
+    batches = [
+        _batch("a", 121, 19.0, 19.0, {7: 1300, 25: 50}, newest_s=102),
+        _batch("a", 154, 19.0, 33.0, {7: 3300, 25: 100}, newest_s=135),
+    ]
+    hot = [{"pid": 7, "stream": 0, "in": 100, "newest_ms": 154_000}]
+    hot += [{"pid": 25, "stream": 0, "in": 2300, "newest_ms": 154_000}]
+    reading = {"kind": "reading", "instance": "a", "time_ms": 156_000, "ranges": hot}
+    owners = Assignment(epoch=1, owners={7: "a", 25: "a"})
+    snap = snapshot_of(batches, ["a"], owners, frozenset(), 160_000, 26.0, 160.0, None, [reading])
+    assert snap.tuples_of(25) == round(2300 / 19 * 26)
+    assert snap.tuples_of(7) == round(100 / 19 * 26)
