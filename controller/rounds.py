@@ -147,7 +147,7 @@ def arrival_rates(
     The run is the newest records that cover RATE_SPAN_S, within those in a `described` batch: a
     batch reads what arrived during the one before, so a loaded instance's described batches may
     reach back half a minute, to before a hot set moved, and rank the pids it left above the ones it
-    reached (decision 0018). A pid with no record before its first described one has no rate.
+    reached (decision 0018). A pid not read in a described batch, or read only once, has no rate.
     """
     records: dict[int, list[tuple[int, int, bool]]] = {}
     for i, batches in history.items():
@@ -159,14 +159,15 @@ def arrival_rates(
     rates = {}
     for p, rs in records.items():
         rs.sort()
-        first = next((k for k, r in enumerate(rs) if r[2]), 0)
-        if first == 0:
+        described_from = next((k for k, r in enumerate(rs) if r[2]), None)
+        if described_from is None or len(rs) < 2:
             continue
+        least = max(described_from, 1)  # the run needs a record before it
         newest_ms = rs[-1][0]
         covering = (
-            k for k in range(len(rs) - 1, first - 1, -1) if newest_ms - rs[k - 1][0] >= RATE_SPAN_S * 1000
+            k for k in range(len(rs) - 1, least - 1, -1) if newest_ms - rs[k - 1][0] >= RATE_SPAN_S * 1000
         )
-        start = next(covering, first)
+        start = next(covering, least)
         span_s = (newest_ms - rs[start - 1][0]) / 1000.0
         if span_s > 0:
             rates[p] = sum(r[1] for r in rs[start:]) / span_s

@@ -181,7 +181,7 @@ def test_a_window_shorter_than_a_batch_reads_the_latest_batch_not_idle() -> None
     counts are per interval at the rate of the batches that describe each instance (a's two batches
     cover 2 s, b's one 4 s)."""
     batches = [
-        _batch("a", 9.5, 0.2, 1.0, {0: 5, 1: 5}),
+        _batch("a", 9.0, 0.2, 1.0, {0: 5, 1: 5}),
         _batch("a", 10.0, 0.2, 1.0, {0: 5, 1: 5}),
         _batch("b", 8.0, 4.0, 4.0, {2: 400, 3: 10}),
     ]
@@ -239,7 +239,9 @@ def test_a_pids_arrival_rate_is_its_tuples_over_the_event_time_they_arrived_over
     b = [_batch("b", 164, 8.0, 8.0, {0: 500}, newest_s=164)]
     assert arrival_rates({"a": a}, {"a": a[1:]}) == pytest.approx({0: 12.5})
     assert arrival_rates({"a": a, "b": b}, {"a": a[-1:], "b": b}) == pytest.approx({0: 600 / 48})
-    assert arrival_rates({"a": a}, {"a": a}) == {}, "no record before the first described: unknown"
+    assert arrival_rates({"a": a}, {"a": a}) == pytest.approx({0: 12.5}), "measured from the first record"
+    assert arrival_rates({"a": a[:1]}, {"a": a[:1]}) == {}, "one record: unknown"
+    assert arrival_rates({"a": a}, {"a": []}) == {}, "not read lately: unknown"
 
 
 def test_the_snapshot_carries_each_instances_demand_and_flux_ranks_by_it() -> None:
