@@ -446,6 +446,7 @@ class KafkaPidMover:
             now_s,
             last_adaptation_s,
             self.observer.readings,
+            len(self.cfg.streams),
         )
 
     # --- driving ---

@@ -175,20 +175,26 @@ def arrival_rates(
 
 
 def in_flight_reading(
-    history: Sequence[dict[str, Any]], readings: Sequence[dict[str, Any]]
+    history: Sequence[dict[str, Any]], readings: Sequence[dict[str, Any]], streams: int
 ) -> dict[str, Any] | None:
     """What an instance's batch in flight has read, as a record with a batch's `pids` (None if nothing):
     its read reports (`pipeline.source.report_reading`) newer than its latest batch record, the newest
-    per (pid, stream), since a task that runs again reports again."""
+    per (pid, stream), since a task that runs again reports again. A pid counts once all its `streams`
+    have been reported: a pid's streams are often read by different tasks, and until the second has
+    reported, the first alone would show the pid at a fraction of its rate over the whole span."""
     since = history[-1]["time_ms"] if history else float("-inf")
     ranges: dict[tuple[int, int], dict[str, Any]] = {}
     for report in sorted(readings, key=lambda r: r["time_ms"]):
         if report["time_ms"] > since:
             ranges |= {(r["pid"], r["stream"]): r for r in report["ranges"]}
-    pids: dict[str, dict[str, int]] = {}
+    read: dict[int, list[dict[str, Any]]] = {}
     for (p, _), r in sorted(ranges.items()):
-        was = pids.get(str(p), {"in": 0, "newest_ms": 0})
-        pids[str(p)] = {"in": was["in"] + r["in"], "newest_ms": max(was["newest_ms"], r["newest_ms"])}
+        read.setdefault(p, []).append(r)
+    pids = {
+        str(p): {"in": sum(r["in"] for r in rs), "newest_ms": max(r["newest_ms"] for r in rs)}
+        for p, rs in read.items()
+        if len(rs) == streams
+    }
     return {"pids": pids} if pids else None
 
 
@@ -202,6 +208,7 @@ def snapshot_of(
     now_s: float,
     last_adaptation_s: float | None,
     readings: Sequence[dict[str, Any]] = (),
+    streams: int = 1,
 ) -> Snapshot:
     """Statistics of the instances' batch records that ended in the last `interval_s` seconds (or of
     each one's latest batch, `described_by`); the fixed cost of an instance's batches is fitted on all
@@ -212,9 +219,9 @@ def snapshot_of(
     described batches cover: a loaded instance's one batch may cover a minute while an idle one's
     cover the interval, and Flux's estimates compare a donor's pid with the receiver's total.
 
-    The rates count what instances' batches in flight have read (`readings`, `in_flight_reading`): a
-    loaded instance's batch lasts long, and a hot set that arrived during its last one would otherwise
-    show only when the next one ends.
+    The rates count what instances' batches in flight have read (`readings` of the pipeline's
+    `streams`, `in_flight_reading`): a loaded instance's batch lasts long, and a hot set that arrived
+    during its last one would otherwise show only when the next one ends.
 
     An instance's demand is the share of its time it needs to keep up with the pids the assignment
     gives it: its fixed per-batch share plus, per pid, the pid's arrival rate times the cost per tuple
@@ -242,7 +249,9 @@ def snapshot_of(
             for p, s in b["pids"].items():
                 by = read.setdefault(int(p), {})
                 by[i] = by.get(i, 0.0) + s["in"] * per_interval
-    reading = {i: in_flight_reading(history[i], [r for r in readings if r["instance"] == i]) for i in live}
+    reading = {
+        i: in_flight_reading(history[i], [r for r in readings if r["instance"] == i], streams) for i in live
+    }
     extra = {i: [r] if r else [] for i, r in reading.items()}
     measured = arrival_rates(
         {i: history[i] + extra[i] for i in live}, {i: described[i] + extra[i] for i in live}

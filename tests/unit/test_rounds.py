@@ -304,7 +304,8 @@ def test_what_a_batch_in_flight_has_read_counts_in_the_arrival_rates() -> None:
     """`a` read pid 0 at 12.5 tuples/s until its batch ending at 116 s; then a hot set arrived, and its
     next batch, still running 18 s later, has read 2,000 of pid 0's tuples up to event time 124 s. The
     round counts them: pid 0 arrives at 2,100 tuples over the 16 s since the record before, not 12.5/s,
-    and a's demand shows it. A report older than a's latest batch record is that batch's own reading."""
+    and a's demand shows it, once both of its streams have been reported. A report older than a's
+    latest batch record is that batch's own reading."""
     batches = [_batch("a", t, 2.0, 8.0, {0: 100, 1: 10}, newest_s=t) for t in (100, 108, 116)]
 
     def reading(at_s: float, pids: dict[tuple[int, int], int], newest_s: float) -> dict[str, Any]:
@@ -315,9 +316,13 @@ def test_what_a_batch_in_flight_has_read_counts_in_the_arrival_rates() -> None:
     # Pid 0's streams read by two tasks; the first task ran twice.
     retried = [reading(120, {(0, 0): 900}, 122), reading(124, {(0, 1): 800}, 124)]
     retried += [reading(125, {(0, 0): 1200, (1, 0): 10}, 124)]
-    before = snapshot_of(batches, ["a"], ASSIGNMENT, frozenset(), 134_000, 8.0, 134.0, None, [stale])
-    after = snapshot_of(batches, ["a"], ASSIGNMENT, frozenset(), 134_000, 8.0, 134.0, None, [stale, *retried])
+
+    def at_134_s(readings: list[dict[str, Any]]) -> Snapshot:
+        return snapshot_of(batches, ["a"], ASSIGNMENT, frozenset(), 134_000, 8.0, 134.0, None, readings, 2)
+
+    before, partial, after = at_134_s([stale]), at_134_s([stale, retried[0]]), at_134_s([stale, *retried])
     assert before.tuples_of(0) == 100, "12.5 tuples/s over the 8 s interval"
+    assert partial.tuples_of(0) == 100, "one of pid 0's two streams reported: not yet counted"
     assert after.tuples_of(0) == round(2100 / 16 * 8)
     assert after.instances[0].load > 1.0 > before.instances[0].load
 
