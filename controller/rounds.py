@@ -86,21 +86,27 @@ def _period_s(batches: Sequence[dict[str, Any]]) -> float:
 
 
 MIN_FIT_BATCHES = 5
-"""Fewest batches a fixed-cost estimate is fitted on; with fewer the cost is unknown (0)."""
+"""Fewest batches a fixed-cost estimate is fitted on; with fewer, the shortest batch that read nothing
+stands in."""
 
 
 def fixed_cost_s(batches: Sequence[dict[str, Any]]) -> float:
     """Seconds one of the instance's batches costs whatever its input: the intercept of a least-squares
     line of batch duration against tuples read, kept within [0, the shortest batch] (a line that says
-    more input costs less is noise, and no batch costs less than its fixed part). 0, unknown, with
-    fewer than MIN_FIT_BATCHES batches or tuple counts all alike."""
-    if len(batches) < MIN_FIT_BATCHES:
-        return 0.0
+    more input costs less is noise, and no batch costs less than its fixed part).
+
+    Before MIN_FIT_BATCHES batches, or with tuple counts all alike, it is the shortest batch that read
+    nothing (an instance's second batch, before its input starts, or a release), else 0, unknown. A
+    round early in the input would otherwise charge a near-idle instance's whole batch time to its
+    few tuples, read it as nearly busy, and refuse it a hot pid (decision 0019)."""
     durations = [float(b["duration_s"]) for b in batches]
+    idle = min((d for d, b in zip(durations, batches, strict=True) if b["tuples_in"] == 0), default=0.0)
+    if len(batches) < MIN_FIT_BATCHES:
+        return idle
     try:
         _, intercept = statistics.linear_regression([float(b["tuples_in"]) for b in batches], durations)
     except statistics.StatisticsError:
-        return 0.0
+        return idle
     return min(max(intercept, 0.0), min(durations))
 
 

@@ -198,10 +198,34 @@ def _timed(duration_s: float, tuples: int) -> dict[str, Any]:
 def test_the_fixed_cost_of_a_batch_is_the_intercept_of_duration_against_tuples() -> None:
     line = [_timed(2.0 + 0.0001 * n, n) for n in (0, 1000, 5000, 8000, 20_000)]
     assert fixed_cost_s(line) == pytest.approx(2.0)
-    assert fixed_cost_s(line[:4]) == 0.0, "too few batches to fit: unknown"
+    assert fixed_cost_s(line[1:]) == 0.0, "too few batches to fit, none without input: unknown"
     assert fixed_cost_s([_timed(2.0 + i / 10, 100) for i in range(5)]) == 0.0, "tuple counts all alike"
     falling = [_timed(3.0 - 0.0001 * n, n) for n in (0, 1000, 5000, 8000, 20_000)]
     assert fixed_cost_s(falling) == pytest.approx(1.0), "never more than the shortest batch"
+
+
+def test_before_a_fit_the_shortest_batch_without_input_is_the_fixed_cost() -> None:
+    """An instance 30 s into the input: its warm-up batch, a batch before the input started, two with
+    input. The warm-up batch read nothing too, but it pays for Spark's start; the shortest one is the
+    per-batch cost."""
+    early = [_timed(15.0, 0), _timed(2.4, 0), _timed(9.0, 900), _timed(5.0, 1600)]
+    assert fixed_cost_s(early) == 2.4
+    assert fixed_cost_s([*early[1:], _timed(4.0, 1600), _timed(5.0, 1600)]) == pytest.approx(2.4), "fitted"
+
+
+def test_a_near_idle_receiver_early_in_the_input_has_room_for_a_hot_pid() -> None:
+    """`b` has run a 2.4 s batch before the input and two 5 s batches reading 1,200 tuples each, 12 s
+    apart. Charged all to its tuples, its U 0.42 would all be per-tuple work, and a pid that doubles
+    its input would double it (`flux.estimate_after_move` scales that part only). With the empty
+    batch's 2.4 s a batch fixed, 0.2 of it is fixed, and the pid adds 0.22, not 0.42."""
+    batches = [
+        _batch("b", 5, 2.4, 5.0, {}),
+        *(_batch("b", t, 5.0, 12.0, {2: 600, 3: 600}, newest_s=t - 5.0) for t in (17, 29)),
+    ]
+    snap = snapshot_of(batches, ["a", "b"], ASSIGNMENT, frozenset(), 30_000, 24.0, 30.0, None)
+    b = snap.instances[1]
+    assert b.fixed_busy == pytest.approx(4.8 / 24)
+    assert b.load == pytest.approx(4.8 / 24 + 100 * 2.6 / 1200), "100 tuples/s at 2.6 s per 1,200"
 
 
 def test_the_snapshot_splits_utilization_into_fixed_and_per_tuple_parts() -> None:
@@ -336,8 +360,9 @@ def test_a_donor_whose_last_batch_read_nothing_is_charged_its_earlier_cost_per_t
     reading = {"kind": "reading", "instance": "a", "time_ms": 125_000, "ranges": [hot]}
     snap = snapshot_of(batches, ["a"], ASSIGNMENT, frozenset(), 134_000, 8.0, 134.0, None, [reading])
     assert snap.tuples_of(0) == round(4000 / 16 * 8)
-    # 250 tuples/s at the time its three batches took over the tuples they read (fixed cost unknown: 0).
-    assert snap.instances[0].load == pytest.approx(250 * 8.0 / 220)
+    # Fixed: its 2 s batch that read nothing, half the 4 s that batch covers. Per tuple: 250 tuples/s
+    # at the 2 s its three batches took beyond their fixed cost over the tuples they read.
+    assert snap.instances[0].load == pytest.approx(2.0 / 4.0 + 250 * 2.0 / 220)
 
 
 def test_a_pids_rate_follows_its_newest_input_not_the_interval_before_it() -> None:
