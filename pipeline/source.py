@@ -743,6 +743,16 @@ def _drop_consumer(bootstrap: str) -> None:
         consumer.close()
 
 
+def close_clients(bootstrap: str) -> None:
+    """Close this process's kept Kafka clients of `bootstrap` (the range consumer, the read-report
+    producer), before the cluster goes away: left open, they retry its address until the process
+    exits, one error line every 50 ms."""
+    _drop_consumer(bootstrap)
+    producer = _PRODUCERS.pop(bootstrap, None)
+    if producer is not None:
+        producer.flush(5)
+
+
 def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> Iterator[pa.RecordBatch]:
     """Read every range [start, end) exactly (all at once), decode in bulk, yield one batch per range.
 

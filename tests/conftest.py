@@ -53,6 +53,7 @@ def kafka_bootstrap() -> Iterator[str]:
     from testcontainers.core.container import DockerContainer
 
     from controller import kafka_runtime
+    from pipeline.source import close_clients
 
     testcontainers_config.ryuk_disabled = True
     problem = None
@@ -89,6 +90,7 @@ def kafka_bootstrap() -> Iterator[str]:
             time.sleep(0.5)
         yield bootstrap
     finally:
+        close_clients(bootstrap)
         container.stop()
 
 

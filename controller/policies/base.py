@@ -89,6 +89,8 @@ class Snapshot:
     moves_in_flight: pids whose move has been ordered but not completed; no policy touches them.
     interval_s: length of the collection interval the statistics cover (Flux's current delta).
     last_adaptation_s: when the last moves were ordered, on the same clock; None if never.
+    warming: instances whose input has just begun, whose load is not measured yet
+        (`controller.rounds.warming_up`); no round runs while there are any.
     """
 
     now_s: float
@@ -98,6 +100,7 @@ class Snapshot:
     moves_in_flight: frozenset[int] = frozenset()
     interval_s: float
     last_adaptation_s: float | None = None
+    warming: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         ids = [s.instance for s in self.instances]

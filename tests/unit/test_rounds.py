@@ -15,9 +15,11 @@ from controller.rounds import (
     PolicyRounds,
     arrival_rates,
     busy_fraction,
+    cost_per_tuple_s,
     fixed_cost_s,
     policy_params,
     snapshot_of,
+    warming_up,
 )
 
 ASSIGNMENT = Assignment(epoch=0, owners={0: "a", 1: "a", 2: "b", 3: "b"})
@@ -34,6 +36,7 @@ class Mover:
     requested: list[Move] = field(default_factory=list)
     snapshots: list[tuple[float, float | None]] = field(default_factory=list)
     assignment: Assignment | None = ASSIGNMENT
+    warming: frozenset[str] = frozenset()
 
     def releasing(self) -> Sequence[Move]:
         return self.moving
@@ -59,6 +62,7 @@ class Mover:
             moves_in_flight=frozenset(m.pid for m in self.moving + self.tails),
             interval_s=interval_s,
             last_adaptation_s=last_adaptation_s,
+            warming=self.warming,
         )
 
 
@@ -71,6 +75,17 @@ def test_the_first_round_waits_for_the_instances_to_report() -> None:
     assert decision is not None and decision.moves
     assert mover.requested == list(decision.moves)
     assert {m.mode for m in mover.requested} == {HandoffMode.REPLAY}, "moves use the pipeline's handoff mode"
+
+
+def test_no_round_runs_while_an_instance_warms_up_and_the_next_tick_tries_again() -> None:
+    rounds = PolicyRounds.begin("flux", policy_params("flux", HandoffMode.REPLAY), now_s=100.0)
+    mover = Mover(warming=frozenset({"a"}))
+    due = 100.0 + FIRST_ROUND_DELAY_S
+    assert rounds.tick(mover, now_s=due) is None
+    assert mover.requested == []
+    mover.warming = frozenset()
+    decision = rounds.tick(mover, now_s=due + 0.25)
+    assert decision is not None and decision.moves, "not put off by a whole interval"
 
 
 def test_flux_waits_out_the_move_phase_and_makes_it_the_next_interval() -> None:
@@ -226,6 +241,45 @@ def test_a_near_idle_receiver_early_in_the_input_has_room_for_a_hot_pid() -> Non
     b = snap.instances[1]
     assert b.fixed_busy == pytest.approx(4.8 / 24)
     assert b.load == pytest.approx(4.8 / 24 + 100 * 2.6 / 1200), "100 tuples/s at 2.6 s per 1,200"
+
+
+def test_a_tuples_cost_leaves_out_the_batches_that_read_nothing() -> None:
+    """A near-idle instance early in the input: a 15 s warm-up batch and a 2.2 s one before the input,
+    then 679 tuples in 8.7 s. With the empty batches' time it would cost 28 ms a tuple."""
+    batches = [_timed(15.0, 0), _timed(2.2, 0), _timed(8.7, 679)]
+    assert cost_per_tuple_s(batches, 2.2) == pytest.approx(6.5 / 679)
+    assert cost_per_tuple_s(batches[:2], 2.2) is None
+
+
+def test_an_instance_warms_up_from_its_first_batch_with_input_until_the_next_ends() -> None:
+    """From its first batch with input, after one that read none, until the next one ends."""
+    empty, full = _timed(2.4, 0), _timed(9.0, 900)
+    read = {"pids": {"0": {"in": 400, "newest_ms": 1}}}
+    assert warming_up([empty], read), "first batch with input in flight"
+    assert warming_up([empty, full], None), "ended; the next one has not read yet"
+    assert warming_up([empty, full], read), "the next one has read, and is still running"
+    assert not warming_up([empty, full, empty], None), "the next one ended empty"
+    assert not warming_up([empty, full, full], read)
+    assert not warming_up([empty, full, full], None)
+    assert not warming_up([full], None), "a loaded instance's one long batch at hand: input not new"
+    assert not warming_up([empty], None) and not warming_up([], None), "no input yet"
+    assert not warming_up([empty], {"pids": {"0": {"in": 0, "newest_ms": 0}}})
+
+
+def test_a_hot_instance_inside_its_first_batch_with_input_holds_the_round() -> None:
+    """The input began at 100 s. `b` has read input twice; `a` is inside its first batch with input,
+    which has read 8,000 tuples so far: its pid has no rate and a tuple no cost yet, so it would
+    look idle."""
+    batches = [_batch("a", 100, 2.0, 4.0, {}), _batch("b", 100, 4.0, 4.0, {})]
+    batches += [_batch("b", t, 6.0, 10.0, {2: 1000}, newest_s=t - 6) for t in (110, 120)]
+    body = [{"pid": 0, "stream": 0, "in": 8000, "newest_ms": 104_000}]
+    reading = {"kind": "reading", "instance": "a", "time_ms": 106_000, "ranges": body}
+    snap = snapshot_of(batches, ["a", "b"], ASSIGNMENT, frozenset(), 121_000, 20.0, 121.0, None, [reading])
+    assert snap.warming == {"a"}
+    assert snap.instances[0].load < snap.instances[1].load, "what the round would have seen"
+    assert (
+        snapshot_of(batches, ["a", "b"], ASSIGNMENT, frozenset(), 121_000, 20.0, 121.0, None).warming == set()
+    )
 
 
 def test_the_snapshot_splits_utilization_into_fixed_and_per_tuple_parts() -> None:
