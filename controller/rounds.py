@@ -209,20 +209,16 @@ def in_flight_reading(
 
 
 def warming_up(history: Sequence[dict[str, Any]], reading: dict[str, Any] | None) -> bool:
-    """Whether an instance's input has just begun: its batch in flight is its first with input
-    (`reading`, `in_flight_reading`), or the first has ended, after one that read none, and the next
-    is still running (`history`, oldest first).
+    """Whether an instance is inside its first batch with input: none of its batches at hand
+    (`history`) read any, and its batch in flight has (`reading`, `in_flight_reading`).
 
-    Its load is not measured until then. A pid read once has no arrival rate (`arrival_rates`), and
-    a pid in flight counts once all its streams have been reported: partway through those reports,
-    or before, a hot instance shows a fraction of its input. In the skew benchmark one inside its
-    first batch with input read U 0.11 and received seven pids. The first batch with input also pays
-    for compiling the join, a near-idle instance's cost per tuple 9.6 ms there, 1.5 ms in the next
-    (decision 0019). It lasts at most one batch beyond the first with input."""
-    read = [b for b in history if b["tuples_in"] > 0]
-    if not read:
-        return reading is not None and any(s["in"] > 0 for s in reading["pids"].values())
-    return len(read) == 1 and history[-1] is read[0] and len(history) > 1
+    Its load is not measured then: its pids have been read once, and a pid read once has no arrival
+    rate (`arrival_rates`), and without a finished batch with input a tuple's cost to it is unknown.
+    In the skew benchmark a hot instance inside that batch read U 0.11 and received seven pids
+    (decision 0019). It lasts one batch."""
+    if any(b["tuples_in"] > 0 for b in history):
+        return False
+    return reading is not None and any(s["in"] > 0 for s in reading["pids"].values())
 
 
 def snapshot_of(

@@ -251,17 +251,13 @@ def test_a_tuples_cost_leaves_out_the_batches_that_read_nothing() -> None:
     assert cost_per_tuple_s(batches[:2], 2.2) is None
 
 
-def test_an_instance_warms_up_from_its_first_batch_with_input_until_the_next_ends() -> None:
-    """From its first batch with input, after one that read none, until the next one ends."""
+def test_an_instance_warms_up_inside_its_first_batch_with_input() -> None:
     empty, full = _timed(2.4, 0), _timed(9.0, 900)
     read = {"pids": {"0": {"in": 400, "newest_ms": 1}}}
-    assert warming_up([empty], read), "first batch with input in flight"
-    assert warming_up([empty, full], None), "ended; the next one has not read yet"
-    assert warming_up([empty, full], read), "the next one has read, and is still running"
-    assert not warming_up([empty, full, empty], None), "the next one ended empty"
-    assert not warming_up([empty, full, full], read)
-    assert not warming_up([empty, full, full], None)
-    assert not warming_up([full], None), "a loaded instance's one long batch at hand: input not new"
+    assert warming_up([empty], read) and warming_up([], read)
+    assert not warming_up([empty, full], None), "it has ended"
+    assert not warming_up([empty, full], read)
+    assert not warming_up([full], None), "a loaded instance's one long batch at hand"
     assert not warming_up([empty], None) and not warming_up([], None), "no input yet"
     assert not warming_up([empty], {"pids": {"0": {"in": 0, "newest_ms": 0}}})
 
