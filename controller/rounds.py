@@ -96,11 +96,15 @@ def fixed_cost_s(batches: Sequence[dict[str, Any]]) -> float:
     more input costs less is noise, and no batch costs less than its fixed part).
 
     Before MIN_FIT_BATCHES batches, or with tuple counts all alike, it is the shortest batch that read
-    nothing (an instance's second batch, before its input starts, or a release), else 0, unknown. A
+    nothing (an instance's second batch, before its input starts, or a release; not a query's first,
+    batch 0, which pays for Spark starting), no longer than the shortest batch, else 0, unknown. A
     round early in the input would otherwise charge a near-idle instance's whole batch time to its
     few tuples, read it as nearly busy, and refuse it a hot pid (decision 0019)."""
     durations = [float(b["duration_s"]) for b in batches]
-    idle = min((d for d, b in zip(durations, batches, strict=True) if b["tuples_in"] == 0), default=0.0)
+    empty = (
+        d for d, b in zip(durations, batches, strict=True) if b["tuples_in"] == 0 and b.get("batch") != 0
+    )
+    idle = min(min(empty, default=0.0), min(durations, default=0.0))
     if len(batches) < MIN_FIT_BATCHES:
         return idle
     try:
@@ -209,16 +213,31 @@ def in_flight_reading(
 
 
 def warming_up(history: Sequence[dict[str, Any]], reading: dict[str, Any] | None) -> bool:
-    """Whether an instance is inside its first batch with input: none of its batches at hand
-    (`history`) read any, and its batch in flight has (`reading`, `in_flight_reading`).
+    """Whether an instance's input has just begun: its batch in flight is its first with input
+    (`reading`, `in_flight_reading`), or that first one has ended, after one that read none, and the
+    next has not yet reported reading every pid it read (`history`, oldest first).
 
-    Its load is not measured then: its pids have been read once, and a pid read once has no arrival
-    rate (`arrival_rates`), and without a finished batch with input a tuple's cost to it is unknown.
-    In the skew benchmark a hot instance inside that batch read U 0.11 and received seven pids
-    (decision 0019). It lasts one batch."""
-    if any(b["tuples_in"] > 0 for b in history):
+    Its load is not measured until then. A pid read once has no arrival rate (`arrival_rates`), and
+    without a finished batch with input a tuple's cost to it is unknown: in the skew benchmark a hot
+    instance inside its first batch with input read U 0.11 and received seven pids, and one whose
+    first batch had ended 30 ms before the round read U 0.58, its pids counted at a sixth of their
+    rate, and received four (decision 0019). It lasts one batch and the reading of the next."""
+    read = [b for b in history if b["tuples_in"] > 0]
+    if not read:
+        return reading is not None and any(s["in"] > 0 for s in reading["pids"].values())
+    if len(read) > 1 or history[-1] is not read[0] or len(history) < 2:
         return False
-    return reading is not None and any(s["in"] > 0 for s in reading["pids"].values())
+    first = {p for p, s in read[0]["pids"].items() if s["in"] > 0}
+    return not first <= set(reading["pids"] if reading else ())
+
+
+def first_of_new_input(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The batches of an instance's `history` (oldest first) that read input after one that read none:
+    the first batch of new input pays for compiling the join, and its cost per tuple on a near-idle
+    instance (9.6 ms in the skew benchmark) is several times a later batch's (1.5 ms)."""
+    return [
+        b for k, b in enumerate(history) if k > 0 and b["tuples_in"] > 0 and history[k - 1]["tuples_in"] == 0
+    ]
 
 
 def snapshot_of(
@@ -284,10 +303,17 @@ def snapshot_of(
     busy = {i: split_busy(described[i], fixed_s[i]) for i in live}
     # Described batches that read nothing (a batch that released pids without reading, decision 0015)
     # say nothing of a tuple's cost: the instance's other batches at hand do.
-    cost = {
-        i: cost_per_tuple_s(described[i], fixed_s[i]) or cost_per_tuple_s(history[i], fixed_s[i])
-        for i in live
-    }
+    # A tuple's cost from batches that are not the first of new input, where there are any (decision 0019).
+    cost = {}
+    for i in live:
+        first = {id(b) for b in first_of_new_input(history[i])}
+        steady = [b for b in history[i] if id(b) not in first]
+        cost[i] = (
+            cost_per_tuple_s([b for b in described[i] if id(b) not in first], fixed_s[i])
+            or cost_per_tuple_s(steady, fixed_s[i])
+            or cost_per_tuple_s(described[i], fixed_s[i])
+            or cost_per_tuple_s(history[i], fixed_s[i])
+        )
     owned = {p: o for p, o in assignment.owners.items() if o in history}
     demand = {i: busy[i][1] for i in live}
     for p, owner in owned.items():

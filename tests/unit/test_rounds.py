@@ -225,6 +225,9 @@ def test_before_a_fit_the_shortest_batch_without_input_is_the_fixed_cost() -> No
     per-batch cost."""
     early = [_timed(15.0, 0), _timed(2.4, 0), _timed(9.0, 900), _timed(5.0, 1600)]
     assert fixed_cost_s(early) == 2.4
+    started = [{**_timed(18.8, 0), "batch": 0}, _timed(12.7, 17), _timed(9.2, 2107)]
+    assert fixed_cost_s(started) == 0.0, "input began right after the query's first batch: unknown"
+    assert fixed_cost_s([_timed(18.8, 0), _timed(9.2, 2107)]) == 9.2, "no more than the shortest batch"
     assert fixed_cost_s([*early[1:], _timed(4.0, 1600), _timed(5.0, 1600)]) == pytest.approx(2.4), "fitted"
 
 
@@ -251,15 +254,33 @@ def test_a_tuples_cost_leaves_out_the_batches_that_read_nothing() -> None:
     assert cost_per_tuple_s(batches[:2], 2.2) is None
 
 
-def test_an_instance_warms_up_inside_its_first_batch_with_input() -> None:
-    empty, full = _timed(2.4, 0), _timed(9.0, 900)
-    read = {"pids": {"0": {"in": 400, "newest_ms": 1}}}
-    assert warming_up([empty], read) and warming_up([], read)
-    assert not warming_up([empty, full], None), "it has ended"
-    assert not warming_up([empty, full], read)
+def test_an_instance_warms_up_from_its_first_batch_with_input_to_the_next_ones_reads() -> None:
+    empty, full = _batch("a", 5, 2.4, 5.0, {}), _batch("a", 15, 9.0, 10.0, {0: 500, 1: 400})
+
+    def reading(*pids: int) -> dict[str, Any]:
+        return {"pids": {str(p): {"in": 100, "newest_ms": 1} for p in pids}}
+
+    assert warming_up([empty], reading(0)) and warming_up([], reading(0)), "inside the first"
+    assert warming_up([empty, full], None), "it has ended, the next has read nothing yet"
+    assert warming_up([empty, full], reading(0)), "the next has read pid 0, not yet pid 1"
+    assert not warming_up([empty, full], reading(0, 1))
+    assert not warming_up([empty, full, empty], None), "the next ended empty"
+    assert not warming_up([empty, full, full], None)
     assert not warming_up([full], None), "a loaded instance's one long batch at hand"
     assert not warming_up([empty], None) and not warming_up([], None), "no input yet"
     assert not warming_up([empty], {"pids": {"0": {"in": 0, "newest_ms": 0}}})
+
+
+def test_a_tuples_cost_leaves_out_the_first_batch_of_new_input_where_it_can() -> None:
+    """A near-idle instance's first batch with input took 11.8 s for 800 tuples (the join being
+    compiled), its next 4.4 s for 2,000; its fixed cost is its 2.4 s empty batch."""
+    batches = [_batch("b", 5, 2.4, 5.0, {}), _batch("b", 17, 11.8, 12.0, {2: 800})]
+    batches.append(_batch("b", 29, 4.4, 12.0, {2: 2000}, newest_s=25))
+    snap = snapshot_of(batches, ["b"], ASSIGNMENT, frozenset(), 30_000, 24.0, 30.0, None)
+    rate = 2000 / (25 - 5.2)  # since the first batch's tuples, newest at its start
+    assert snap.instances[0].load == pytest.approx(2 * 2.4 / 24 + rate * 2.0 / 2000), "1 ms a tuple, not 4.7"
+    early = snapshot_of(batches[:2], ["b"], ASSIGNMENT, frozenset(), 18_000, 24.0, 18.0, None)
+    assert early.instances[0].fixed_busy > 0, "with no other batch, the first one's cost stands"
 
 
 def test_a_hot_instance_inside_its_first_batch_with_input_holds_the_round() -> None:
