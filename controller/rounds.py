@@ -301,9 +301,9 @@ def snapshot_of(
     rates = {p: measured.get(p, sum(by.values()) / interval_s) for p, by in read.items()} | measured
     fixed_s = {i: fixed_cost_s(history[i]) for i in live}
     busy = {i: split_busy(described[i], fixed_s[i]) for i in live}
-    # Described batches that read nothing (a batch that released pids without reading, decision 0015)
-    # say nothing of a tuple's cost: the instance's other batches at hand do.
-    # A tuple's cost from batches that are not the first of new input, where there are any (decision 0019).
+    # A tuple's cost from the described batches, else the others at hand: a release without reading
+    # (decision 0015) says nothing of it. The first batch of new input is left out where there are
+    # others, since it pays for compiling the join (decision 0019).
     cost = {}
     for i in live:
         first = {id(b) for b in first_of_new_input(history[i])}
@@ -393,7 +393,7 @@ class PolicyRounds:
             self._next_in(self.interval_s, now)
             return None
         if snapshot.warming:
-            return None  # tried again at the next tick: an instance's first batch with input ends soon
+            return None  # tried again at the next tick: the instance's load is measured within a batch
         decision = self.policy.decide(snapshot, self.params)
         if decision.moves and not dry_run:
             mover.request(decision.moves)
