@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from controller.local import LocalPipeline, MetricsFollower, end_offsets, wait_drained, weighted_percentiles
-from pipeline.config import Config
+from pipeline.config import Config, HotPidsKeys
 
 SPARK_KAFKA_POM = Path(__file__).with_name("spark_kafka_pom.xml")
 # The connector and what it needs beyond the jars PySpark ships.
@@ -435,9 +435,12 @@ def skew_config(
     key_seconds: float,
     trigger_ms: int,
     hot_set_s: float = 60.0,
+    even_s: float = 0.0,
 ) -> Config:
-    """2-way, W = 10 s, P = 64; 20% of the pids carry 80% of the tuples and the hot pids change every
-    `hot_set_s`; each instance runs on `cpu` cores (a cgroup quota), so skew cannot hide in shared cores.
+    """2-way, W = 10 s, P = 64; after `even_s` seconds of input spread evenly over the pids (warming
+    the join up, decision 0020), `seconds` in which 20% of the pids carry 80% of the tuples and the hot
+    pids change every `hot_set_s`; each instance runs on `cpu` cores (a cgroup quota), so skew cannot
+    hide in shared cores.
     As many distinct keys as `key_seconds` of one stream's input (at least 8 per pid, so that every
     pid has keys): a tuple has about 2 W / key_seconds partners on average whatever the rate, so a
     smaller value makes a heavier join per tuple, and the work grows with the rate, not its square.
@@ -458,7 +461,7 @@ def skew_config(
         instances=instances,
         **{
             "generator.mode": "real_time",
-            "generator.duration_s": seconds,
+            "generator.duration_s": even_s + seconds,
             "generator.max_tuples": None,
             "generator.rate": {"kind": "constant", "rate": per_stream},
             "generator.keys": {
@@ -468,6 +471,7 @@ def skew_config(
                 "hot_share": 0.8,
                 "move_every_s": hot_set_s,
                 "layout": "contiguous",
+                "even_s": even_s,
             },
             "instance.spark_master": "local[1]",
             "instance.shuffle_partitions": 2,
@@ -546,8 +550,9 @@ def measure_skew_point(
 ) -> dict[str, Any]:
     """One rate under one policy: sustainable when the backlog left at the end of the input drains
     within `sustained_drain_s`, the assignment held from then on (`hold_assignment`); latency
-    percentiles over results after the first 20 s. The output is checked against the oracle: a
-    policy's moves, several at a time, must lose and duplicate nothing."""
+    percentiles over results from the skew's start (after the even warm-up, at least 20 s in). The
+    output is checked against the oracle: a policy's moves, several at a time, must lose and
+    duplicate nothing."""
     from pipeline.oracle import verify_pipeline
 
     pipeline = LocalPipeline(cfg, bootstrap, work)
@@ -570,7 +575,9 @@ def measure_skew_point(
         follower.close()
         pipeline.stop()
     moves = sum(1 for line in (work / "controller.log").read_text().splitlines() if line.endswith("started"))
-    steady = [r for r in records if r.get("kind") == "batch" and r["time_ms"] >= started_ms + 20_000]
+    keys = cfg.generator.keys
+    skew_ms = started_ms + max(20.0, keys.even_s if isinstance(keys, HotPidsKeys) else 0.0) * 1000
+    steady = [r for r in records if r.get("kind") == "batch" and r["time_ms"] >= skew_ms]
     p50, p99 = weighted_percentiles([r for r in steady if r["results"]], (50, 99))
     report = verify_pipeline(pipeline.cfg, bootstrap)
     point = {
@@ -598,6 +605,7 @@ def run_skew_bench(
     cpu: float = 0.45,
     key_seconds: float = 10.0,
     hot_set_s: float = 60.0,
+    even_s: float = 60.0,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Both policies at each rate (ascending), side by side; stops a policy at its first failed rate."""
@@ -617,7 +625,9 @@ def run_skew_bench(
                 if earlier and not earlier[max(earlier)]["sustained"]:
                     continue
                 name = f"{run_id}-{policy}-{int(rate)}"
-                c = skew_config(cfg, name, rate, seconds, instances, cpu, key_seconds, trigger_ms, hot_set_s)
+                c = skew_config(
+                    cfg, name, rate, seconds, instances, cpu, key_seconds, trigger_ms, hot_set_s, even_s
+                )
                 earlier[rate] = measure_skew_point(c, bootstrap, work / name, policy, say)
                 if not earlier[rate]["exact"]:
                     inexact.append(str(work / name / "config.yaml"))
@@ -634,6 +644,7 @@ def run_skew_bench(
         summary[policy] = {
             "sustainable_rate": best,
             "hot_set_s": hot_set_s,
+            "even_s": even_s,
             "idle_batch_s": idle_s,
             "trigger_ms": trigger_ms,
             "latency_p50_s": at.get("latency_p50_s"),

@@ -433,11 +433,14 @@ def bench_skew(
     bootstrap: BootstrapOpt = None,
     json_: JsonOpt = False,
     rates: Annotated[str, typer.Option(help="Input rates to try, tuples/s in total.")] = "6000,9000,12000",
-    seconds: Annotated[float, typer.Option(help="Seconds of input per point.")] = 90,
+    seconds: Annotated[float, typer.Option(help="Seconds of skewed input per point, after --even-s.")] = 90,
     instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
     cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.45,
     key_seconds: KeySecondsOpt = 10.0,
     hot_set_s: Annotated[float, typer.Option(help="Seconds between moves of the hot pids.")] = 60,
+    even_s: Annotated[
+        float, typer.Option(help="Seconds of even input before the skew, warming the join up.")
+    ] = 60,
 ) -> None:
     """Sustainable input rate and latency of the static and flux policies under moving skew; every
     point's output is checked against the oracle (exit 1 if one is not exact). The trigger is twice an
@@ -448,7 +451,7 @@ def bench_skew(
     say = _progress(json_)
     wanted = _numbers(rates, "--rates", float)
     try:
-        summary = run_skew_bench(cfg, wanted, seconds, instances, cpu, key_seconds, hot_set_s, say)
+        summary = run_skew_bench(cfg, wanted, seconds, instances, cpu, key_seconds, hot_set_s, even_s, say)
     except _user_errors() as exc:
         fail(str(exc))
     compact = {p: {k: v for k, v in s.items() if k != "points"} for p, s in summary.items()}

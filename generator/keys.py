@@ -99,25 +99,33 @@ class KeySampler:
         self._hot_n = min(max(1, round(dist.hot_fraction * partitions)), partitions - 1)
 
     def _sample_hot_pids(self, u: npt.NDArray[np.float64], t_s: npt.NDArray[np.float64]) -> I64:
-        """One uniform per tuple picks hot or cold, the pid within that set and the key within the pid."""
+        """One uniform per tuple picks hot or cold, the pid within that set and the key within the pid;
+        before `even_s`, the pid among all of them."""
         assert isinstance(self.dist, HotPidsKeys)
         share, p, hot_n = self.dist.hot_share, len(self._perm), self._hot_n
-        hot = u < share
+        even = t_s < self.dist.even_s
+        hot = (u < share) & ~even
         with np.errstate(divide="ignore", invalid="ignore"):
-            x = np.where(hot, u / share * hot_n, (u - share) / (1 - share) * (p - hot_n))
-        slot = np.minimum(x.astype(np.int64), np.where(hot, hot_n - 1, p - hot_n - 1))
+            skewed = np.where(hot, u / share * hot_n, (u - share) / (1 - share) * (p - hot_n))
+            x = np.where(even, u * p, skewed)
+        slot = np.minimum(x.astype(np.int64), np.where(even, p - 1, np.where(hot, hot_n - 1, p - hot_n - 1)))
         frac = np.clip(x - slot, 0.0, np.nextafter(1.0, 0.0))
-        position = np.where(hot, slot, hot_n + slot)
-        epochs = np.floor(np.maximum(t_s, 0.0) / self.dist.move_every_s).astype(np.int64)
+        position = np.where(hot | even, slot, hot_n + slot)
+        epochs = self._epochs(t_s)
         pid = self._perm[(position + epochs * hot_n) % p]
         index = self._pid_starts[pid] + (frac * self._pid_sizes[pid]).astype(np.int64)
         return self._keys_by_pid[index]
 
+    def _epochs(self, t_s: npt.NDArray[np.float64]) -> I64:
+        assert isinstance(self.dist, HotPidsKeys)
+        skewed_s = np.maximum(t_s - self.dist.even_s, 0.0)
+        return np.floor(skewed_s / self.dist.move_every_s).astype(np.int64)
+
     def hot_pids(self, t_s: float) -> I64:
-        """The pids hot at `t_s` (hot_pids only)."""
-        epoch = (
-            int(np.floor(max(t_s, 0.0) / self.dist.move_every_s)) if isinstance(self.dist, HotPidsKeys) else 0
-        )
+        """The pids hot at `t_s` (hot_pids only; none before `even_s`)."""
+        if not isinstance(self.dist, HotPidsKeys) or t_s < self.dist.even_s:
+            return np.empty(0, dtype=np.int64)
+        epoch = int(self._epochs(np.array([t_s], dtype=np.float64))[0])
         return np.sort(self._perm[(np.arange(self._hot_n) + epoch * self._hot_n) % len(self._perm)])
 
     def sample(self, n: int, t_s: float | npt.NDArray[np.float64] = 0.0) -> I64:

@@ -108,7 +108,12 @@ class HotPidsKeys(_Strict):
     `layout` says where the hot pids lie: `scattered` (a seeded order of the pids, so the hot set falls
     on every instance about evenly), or `contiguous` (the next run of neighbouring pids, from pid 0 on),
     which under the initial layout of contiguous pid ranges puts the hot set on one or two instances:
-    skew that loads instances unevenly, as Flux's experiments with a loaded machine do."""
+    skew that loads instances unevenly, as Flux's experiments with a loaded machine do.
+
+    The first `even_s` seconds spread tuples evenly over the pids; the first hot set begins then. A
+    benchmark uses it to warm the join up before the skew: an instance's first batches with input
+    cost several times a later batch per tuple (compiling the join), and a policy deciding from them
+    would be judged on a cold start, not on following a hot set (decision 0020)."""
 
     kind: Literal["hot_pids"] = "hot_pids"
     count: int = Field(100_000, ge=1)
@@ -116,6 +121,7 @@ class HotPidsKeys(_Strict):
     hot_share: float = Field(0.8, ge=0, le=1)
     move_every_s: float = Field(30.0, gt=0)
     layout: Literal["scattered", "contiguous"] = "scattered"
+    even_s: float = Field(0.0, ge=0)
 
 
 KeyDistribution = Annotated[

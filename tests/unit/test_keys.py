@@ -172,6 +172,24 @@ def test_contiguous_hot_pids_are_runs_of_neighbouring_pids() -> None:
     assert np.isin(pids, [4, 5, 6, 7]).mean() == pytest.approx(0.8, abs=0.01)
 
 
+def test_hot_pids_are_even_until_even_s_then_the_first_hot_set_begins() -> None:
+    """A warm-up spreads the input over every pid; the hot sets' clock starts when it ends."""
+    from pipeline.config import HotPidsKeys
+    from pipeline.partitioning import pids_of
+
+    dist = HotPidsKeys(
+        count=20_000, hot_fraction=0.25, hot_share=0.8, move_every_s=10.0, layout="contiguous", even_s=30.0
+    )
+    sampler = KeySampler(dist, seed=3, stream=0, partitions=16)
+    assert len(sampler.hot_pids(29.0)) == 0
+    assert list(sampler.hot_pids(31.0)) == [0, 1, 2, 3]
+    assert list(sampler.hot_pids(41.0)) == [4, 5, 6, 7]
+    counts = np.bincount(pids_of(sampler.sample(160_000, 29.0), 16), minlength=16)
+    assert counts.min() > 0.9 * counts.mean() and counts.max() < 1.1 * counts.mean(), "even before even_s"
+    pids = pids_of(sampler.sample(100_000, 31.0), 16)
+    assert np.isin(pids, [0, 1, 2, 3]).mean() == pytest.approx(0.8, abs=0.01)
+
+
 def test_hot_pids_draw_the_same_keys_in_any_chunking() -> None:
     from pipeline.config import HotPidsKeys
 

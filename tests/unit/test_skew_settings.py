@@ -33,3 +33,10 @@ def test_keys_follow_the_rate_with_at_least_eight_per_pid(rate: float, key_secon
 def test_the_hot_pids_move_at_the_given_period(given: dict[str, float], period_s: float) -> None:
     keys = skew_config(load_config(None), "p", 1000, 90, 4, 0.25, 1, 8000, **given).generator.keys
     assert isinstance(keys, HotPidsKeys) and keys.move_every_s == period_s
+
+
+def test_the_skew_follows_an_even_warm_up_and_the_input_lasts_both() -> None:
+    cfg = skew_config(load_config(None), "p", 1000, 90, 4, 0.25, 1, 8000, 120.0, 60.0)
+    keys = cfg.generator.keys
+    assert isinstance(keys, HotPidsKeys) and keys.even_s == 60.0 and keys.move_every_s == 120.0
+    assert cfg.generator.duration_s == 150.0
