@@ -382,8 +382,7 @@ class PolicyRounds:
             if mover.releasing():
                 return None
             floor = float(getattr(self.params, "delta_min_s", MIN_INTERVAL_S))
-            phase = now - self.move_phase_since_s if getattr(self.params, "phase_interval", True) else 0.0
-            self._next_in(max(phase, floor), now)
+            self._next_in(max(now - self.move_phase_since_s, floor), now)
             self.move_phase_since_s = None
             return None
         if now < self.next_round_s:
@@ -395,13 +394,18 @@ class PolicyRounds:
         if snapshot.warming:
             return None  # tried again at the next tick: the instance's load is measured within a batch
         decision = self.policy.decide(snapshot, self.params)
+        interval = decision.next_interval_s
         if decision.moves and not dry_run:
             mover.request(decision.moves)
             self.last_adaptation_s = now
-            if decision.next_interval_s is None:
+            if interval is None and getattr(self.params, "phase_interval", True):
                 self.move_phase_since_s = now
                 return decision
-        self._next_in(decision.next_interval_s or self.interval_s, now)
+            # Without the paper's phase interval the next round does not wait for the releases: the
+            # snapshot charges a moving pid to its new owner and leaves it out of the policy's reach,
+            # and a loaded donor's release waits for its batch in flight (up to a minute, decision 0020).
+            interval = interval or float(getattr(self.params, "delta_min_s", MIN_INTERVAL_S))
+        self._next_in(interval or self.interval_s, now)
         return decision
 
     def _next_in(self, interval_s: float, now_s: float) -> None:

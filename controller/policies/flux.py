@@ -58,7 +58,8 @@ Where the text is not precise, this module chooses as follows:
 - The move phase's duration is known only after the moves finished, so a decision with moves returns
   next_interval_s = None and the caller (`controller.rounds.PolicyRounds`) starts the next interval
   when they have: as long as the phase, at least delta_min (the paper's minimum is on the collection
-  phase, whatever set it), or delta_min without `phase_interval`.
+  phase, whatever set it). Without `phase_interval` the next round comes delta_min after this one,
+  whether the moves have been released or not (decision 0020).
   A decision without moves returns max(interval_s / 2, delta_min_s), interval_s being the delta the
   snapshot's statistics were collected over.
 - Defaults: th_imb = 1.2, th_util = 0.9 as in the paper's experiments. delta_min_s = 0.25 s, the value at
@@ -97,8 +98,9 @@ class FluxParams:
     (decision 0012)."""
     phase_interval: bool = True
     """The collection interval after a move phase lasts as long as the phase (the paper's rule: the
-    statistics of a phase are the moves' as much as the load's). False: delta_min, for loads the moves
-    do not distort, as fluxjoin's observer measures them (decision 0014)."""
+    statistics of a phase are the moves' as much as the load's). False: delta_min after the round,
+    without waiting for the releases, for loads the moves do not distort, as fluxjoin's observer
+    measures them (decisions 0014 and 0020)."""
     mode: HandoffMode = HandoffMode.TRANSFER
 
     def __post_init__(self) -> None:

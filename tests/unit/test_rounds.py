@@ -115,14 +115,19 @@ def test_a_released_pid_does_not_hold_up_the_next_round() -> None:
     assert not {m.pid for m in first.moves} & {m.pid for m in second.moves}, "the tail's pid stays put"
 
 
-def test_without_phase_interval_the_round_after_a_move_phase_comes_after_delta_min() -> None:
+def test_without_phase_interval_the_next_round_comes_delta_min_after_the_moves_unreleased() -> None:
+    """A loaded donor releases at the end of its batch in flight; the next round need not wait for it,
+    and leaves the moving pids alone."""
     params = policy_params("flux", HandoffMode.TRANSFER, delta_s=2.0, delta_min_s=2.0, phase_interval=0.0)
     rounds = PolicyRounds.begin("flux", params, now_s=0.0)
     mover = Mover()
-    rounds.tick(mover, now_s=10.0)
-    mover.moving.clear()
-    rounds.tick(mover, now_s=40.0)
-    assert (rounds.interval_s, rounds.next_round_s) == (2.0, 42.0), "not the phase's 30 s"
+    first = rounds.tick(mover, now_s=10.0)
+    assert first is not None and first.moves
+    assert (rounds.interval_s, rounds.next_round_s) == (2.0, 12.0)
+    assert mover.releasing(), "the first round's moves are still being released"
+    second = rounds.tick(mover, now_s=12.0)
+    assert second is not None, "a round runs while the moves are released"
+    assert not {m.pid for m in first.moves} & {m.pid for m in second.moves}, "the moving pids stay put"
 
 
 def test_a_short_move_phase_is_floored_at_delta_min() -> None:
