@@ -381,8 +381,7 @@ class PolicyRounds:
         if self.move_phase_since_s is not None:
             if mover.releasing():
                 return None
-            floor = float(getattr(self.params, "delta_min_s", MIN_INTERVAL_S))
-            self._next_in(max(now - self.move_phase_since_s, floor), now)
+            self._next_in(max(now - self.move_phase_since_s, self._delta_min_s()), now)
             self.move_phase_since_s = None
             return None
         if now < self.next_round_s:
@@ -404,9 +403,13 @@ class PolicyRounds:
             # Without the paper's phase interval the next round does not wait for the releases: the
             # snapshot charges a moving pid to its new owner and leaves it out of the policy's reach,
             # and a loaded donor's release waits for its batch in flight (up to a minute, decision 0020).
-            interval = interval or float(getattr(self.params, "delta_min_s", MIN_INTERVAL_S))
+            interval = interval or self._delta_min_s()
         self._next_in(interval or self.interval_s, now)
         return decision
+
+    def _delta_min_s(self) -> float:
+        """The shortest interval between rounds after one that moved pids."""
+        return float(getattr(self.params, "delta_min_s", MIN_INTERVAL_S))
 
     def _next_in(self, interval_s: float, now_s: float) -> None:
         self.interval_s = interval_s
