@@ -347,6 +347,11 @@ hot one carrying many results, for about three triggers (measured: the flux p50 
 rose above static's), while a parallel track never pauses it."""
 FLUX_SKEW_MOVES_PER_PAIR = 8
 """Flux may move up to this many pids per pair and round (decision 0012): the hot set is 13 pids."""
+FLUX_SKEW_MIN_MOVE_SHARE = 0.25
+"""A pid that processed less than this share of its donor's largest pid's tuples stays put (decision
+0021). A hot pid carries 16 times a cold one's tuples here (80% of them on 20% of the pids); at 750
+tuples/s rounds moved up to 16 cold pids at a time, each worth 0.001-0.004 of its donor's time, off
+instances that read as loaded by the hot pids on their way to them."""
 
 
 def skew_trigger_ms(idle_batch_s: float) -> int:
@@ -405,15 +410,17 @@ def measure_idle_batch_s(
 
 def flux_skew_params(trigger_ms: int) -> dict[str, float]:
     """Flux collects over two triggers at least (a shorter interval holds no batch of some instances),
-    may move several pids per pair and charges a moved pid at the donor's cost (decision 0012): the
-    instances are alike, and a hot pid's tuples join far more partners than the receiver's own. The
-    round after a move phase comes delta_min after it (decision 0014): a receiver's catch-up with the
-    moved backlog can last longer than what is left of the input after the hot set moves."""
+    may move several pids per pair but none too small to matter (decision 0021) and charges a moved
+    pid at the donor's cost (decision 0012): the instances are alike, and a hot pid's tuples join far
+    more partners than the receiver's own. The round after a move phase comes delta_min after it
+    (decision 0014): a receiver's catch-up with the moved backlog can last longer than what is left of
+    the input after the hot set moves."""
     two_triggers = 2 * trigger_ms / 1000
     return {
         "delta_s": two_triggers,
         "delta_min_s": two_triggers,
         "max_moves_per_pair": FLUX_SKEW_MOVES_PER_PAIR,
+        "min_move_share": FLUX_SKEW_MIN_MOVE_SHARE,
         "donor_cost": 1.0,
         "phase_interval": 0.0,
     }

@@ -42,6 +42,7 @@ POLICY_FIELDS = {
         "deltaS": "delta_s",
         "deltaMinS": "delta_min_s",
         "maxMovesPerPair": "max_moves_per_pair",
+        "minMoveShare": "min_move_share",
         "donorCost": "donor_cost",
         "phaseInterval": "phase_interval",
     },

@@ -24,7 +24,11 @@ engine's last two triggers or more, so one pid per pair and round cannot follow 
 pids that moves (decision 0012). Also beyond it, `donor_cost` charges a moved pid to the receiver at
 the donor's cost per tuple: the paper's estimate assumes every tuple costs alike on an instance, but a
 hot key's tuple joins many more partners than a cold one, while fluxjoin's instances are alike (pods
-of one StatefulSet).
+of one StatefulSet). And `min_move_share` (default 0, the paper's rule) leaves a pid where it is when
+it processed less than that share of the tuples of the donor's largest pid: the paper's walk moves
+any pid that reduces the imbalance at all, so a donor whose load is in a few hot pids (some of them
+on their way to it) gives away cold pid after cold pid, each worth a few thousandths of its time
+(decision 0021).
 
 Where the text is not precise, this module chooses as follows:
 
@@ -96,6 +100,10 @@ class FluxParams:
     """Charge a moved pid to the receiver at the donor's cost per tuple, not the receiver's own (the
     paper's). Right when instances are alike and tuples are not: a hot key's tuple joins many partners
     (decision 0012)."""
+    min_move_share: float = 0.0
+    """A pid moves only if it processed at least this share of the tuples (N_pid) of the donor's largest
+    pid, in flight or not; 0 is the paper's rule, any pid that reduces the imbalance. Relative, so that
+    it tells hot pids from cold ones at any rate and on any machine (decision 0021)."""
     phase_interval: bool = True
     """The collection interval after a move phase lasts as long as the phase (the paper's rule: the
     statistics of a phase are the moves' as much as the load's). False: delta_min after the round,
@@ -112,6 +120,8 @@ class FluxParams:
             raise ValueError(f"need 0 < delta_min_s <= delta_s, got {self.delta_min_s}, {self.delta_s}")
         if self.max_moves_per_pair < 1:
             raise ValueError(f"max_moves_per_pair must be >= 1, got {self.max_moves_per_pair}")
+        if not 0.0 <= self.min_move_share <= 1.0:
+            raise ValueError(f"min_move_share must be in [0, 1], got {self.min_move_share}")
 
 
 def imbalance(u_a: float, u_b: float) -> float:
@@ -176,7 +186,8 @@ class _Walk:
     u_d: float
     t_d: int
     balanced: bool
-    """The pair's estimated imbalance fell below th_imb (or the donor has nothing left to give)."""
+    """The pair's estimated imbalance fell below th_imb, or the donor has nothing left to give or
+    nothing worth a move (`min_move_share`)."""
 
 
 class FluxPolicy:
@@ -247,9 +258,10 @@ class FluxPolicy:
         moves: list[Move] = []
         refused: list[str] = []
         balanced = False
-        for pid in sorted(
-            snapshot.assignment.pids_of(donor.instance), key=lambda p: (-snapshot.tuples_of(p), p)
-        ):
+        too_small = ""
+        walk = sorted(snapshot.assignment.pids_of(donor.instance), key=lambda p: (-snapshot.tuples_of(p), p))
+        smallest_move = params.min_move_share * snapshot.tuples_of(walk[0])
+        for pid in walk:
             n_p = snapshot.tuples_of(pid)
             if n_p == 0 or len(moves) == params.max_moves_per_pair:
                 break
@@ -258,6 +270,11 @@ class FluxPolicy:
                 continue
             if pid in taken:
                 continue
+            if n_p < smallest_move:  # and so is every later pid, for this receiver or the next
+                too_small = f"; kept pid {pid} and smaller: N_pid {n_p} < {smallest_move:.0f}"
+                too_small += " (min_move_share)"
+                balanced = True
+                break
             u_d_after, u_r_after = estimate_after_move(
                 u_d, t_d, u_r, t_r, n_p, donor.fixed_busy, receiver.fixed_busy, params.donor_cost
             )
@@ -275,10 +292,10 @@ class FluxPolicy:
                 balanced = True  # by the policy's own test: further moves would only shuffle small pids
                 break
         if not moves:
-            note = f"no pid reduces the imbalance ({_listing(refused) or 'no candidate pids'})"
-            return _Walk([], note, u_d, t_d, balanced=t_d == 0)
+            note = f"no pid reduces the imbalance ({_listing(refused) or 'no candidate pids'}){too_small}"
+            return _Walk([], note, u_d, t_d, balanced=balanced or t_d == 0)
         passed = f"; passed over {_listing(refused)}" if refused else ""
-        return _Walk(moves, f"move {', '.join(chosen)}{passed}", u_d, t_d, balanced)
+        return _Walk(moves, f"move {', '.join(chosen)}{passed}{too_small}", u_d, t_d, balanced)
 
 
 def _listing(refusals: list[str]) -> str:

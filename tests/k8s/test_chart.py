@@ -225,6 +225,7 @@ def test_defaults_are_filled_in_by_the_server(kube: KubeCluster, namespace: str,
         "deltaS": 1,
         "deltaMinS": 0.25,
         "maxMovesPerPair": 1,
+        "minMoveShare": 0,
         "donorCost": False,
         "phaseInterval": True,
     }

@@ -176,6 +176,26 @@ def test_a_donor_its_receiver_cannot_balance_goes_on_to_the_next_receiver() -> N
     assert "stopped at r1->r2: U_d 0.500 < mean U 1.125" in paper.reason
 
 
+def test_min_move_share_keeps_cold_pids_where_they_are() -> None:
+    """A donor loaded by five hot pids on their way to it (in flight, 160 tuples each) also owns 16 cold
+    pids of 10 tuples. Under the paper's rule it gives the receivers all 16 cold pids, each move
+    reducing the imbalance a little (a measured round moved 16 pids worth 0.001-0.004 of their donor's
+    time). With min_move_share 0.25 a pid needs 40 tuples: none moves, for either receiver. The hot
+    pids, once they have arrived, move as they would without it."""
+    hot, cold = {p: 160 for p in range(5)}, {p: 10 for p in range(5, 21)}
+    sites = {"busy": (0.9, hot | cold), "r1": (0.25, {21: 100}), "r2": (0.25, {22: 100})}
+    several = replace(PARAMS, max_moves_per_pair=8, donor_cost=True)
+    floored = replace(several, min_move_share=0.25)
+    arriving = snapshot_of(sites, in_flight=frozenset(hot))
+    assert sorted(m.pid for m in FLUX.decide(arriving, several).moves) == sorted(cold)
+    decision = FLUX.decide(arriving, floored)
+    assert decision.moves == ()
+    assert "kept pid 5 and smaller: N_pid 10 < 40 (min_move_share)" in decision.reason
+    arrived = snapshot_of(sites)
+    assert FLUX.decide(arrived, floored).moves == FLUX.decide(arrived, several).moves
+    assert [m.pid for m in FLUX.decide(arrived, floored).moves] == [0, 1]
+
+
 def test_several_moves_per_pair_leave_fig6_unchanged_where_one_move_balances() -> None:
     """Fig. 6 with room for more: each pair moves only while the estimated imbalance still falls."""
     decision = FLUX.decide(snapshot_of(FIG6), replace(PARAMS, max_moves_per_pair=8))
@@ -361,6 +381,8 @@ def test_delta_halving_reaches_delta_min_and_stays() -> None:
         pytest.param({"th_util": 0.0}, id="th_util-zero"),
         pytest.param({"delta_min_s": 2.0}, id="delta_min-above-delta"),
         pytest.param({"max_moves_per_pair": 0}, id="no-moves-per-pair"),
+        pytest.param({"min_move_share": 1.5}, id="min-move-share-above-the-largest-pid"),
+        pytest.param({"min_move_share": -0.1}, id="negative-min-move-share"),
     ],
 )
 def test_params_are_checked(kwargs: dict[str, float]) -> None:

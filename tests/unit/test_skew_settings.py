@@ -17,6 +17,7 @@ def test_flux_collects_over_two_triggers_and_a_rate_may_drain_in_two_more_plus_t
     params = flux_skew_params(8000)
     assert (params["delta_s"], params["delta_min_s"]) == (16.0, 16.0)
     assert params["max_moves_per_pair"] > 1
+    assert 1 / 16 < params["min_move_share"] < 1  # a hot pid carries 16 times a cold pid's tuples
     assert sustained_drain_s(8000) == 26.0
 
 
