@@ -259,9 +259,11 @@ class FluxPolicy:
         refused: list[str] = []
         balanced = False
         too_small = ""
-        walk = sorted(snapshot.assignment.pids_of(donor.instance), key=lambda p: (-snapshot.tuples_of(p), p))
-        smallest_move = params.min_move_share * snapshot.tuples_of(walk[0])
-        for pid in walk:
+        by_tuples = sorted(
+            snapshot.assignment.pids_of(donor.instance), key=lambda p: (-snapshot.tuples_of(p), p)
+        )
+        smallest_move = params.min_move_share * snapshot.tuples_of(by_tuples[0])
+        for pid in by_tuples:
             n_p = snapshot.tuples_of(pid)
             if n_p == 0 or len(moves) == params.max_moves_per_pair:
                 break
