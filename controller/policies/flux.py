@@ -28,7 +28,10 @@ of one StatefulSet). And `min_move_share` (default 0, the paper's rule) leaves a
 it processed less than that share of the tuples of the donor's largest pid: the paper's walk moves
 any pid that reduces the imbalance at all, so a donor whose load is in a few hot pids (some of them
 on their way to it) gives away cold pid after cold pid, each worth a few thousandths of its time
-(decision 0021).
+(decision 0021). Last, a pair moves nothing when moving every pid the walk could give would still
+leave the donor th_imb above the receiver: the gap is then in per-batch costs or pids in flight, which
+no move of the round shifts, and the walk would empty the donor a sliver at a time (decision 0022).
+With no per-batch cost and nothing in flight this never happens: moving every pid leaves U_d' = 0.
 
 Where the text is not precise, this module chooses as follows:
 
@@ -263,6 +266,24 @@ class FluxPolicy:
             snapshot.assignment.pids_of(donor.instance), key=lambda p: (-snapshot.tuples_of(p), p)
         )
         smallest_move = params.min_move_share * snapshot.tuples_of(by_tuples[0])
+        movable = [
+            snapshot.tuples_of(p)
+            for p in by_tuples
+            if p not in snapshot.moves_in_flight
+            and p not in taken
+            and snapshot.tuples_of(p) >= smallest_move
+            and snapshot.tuples_of(p) > 0
+        ]
+        if sum(movable) > 0:
+            u_d_all, u_r_all = estimate_after_move(
+                u_d, t_d, u_r, t_r, sum(movable), donor.fixed_busy, receiver.fixed_busy, params.donor_cost
+            )
+            if u_d_all > u_r_all and imbalance(u_d_all, u_r_all) >= params.th_imb:
+                note = (
+                    f"moving all {len(movable)} pids it could give leaves U {u_d:.3f}->{u_d_all:.3f}, "
+                    f"{u_r:.3f}->{u_r_all:.3f}: the gap is in per-batch costs and pids in flight"
+                )
+                return _Walk([], note, u_d, t_d, balanced=True)
         for pid in by_tuples:
             n_p = snapshot.tuples_of(pid)
             if n_p == 0 or len(moves) == params.max_moves_per_pair:
