@@ -52,6 +52,11 @@ class TopicSpec:
     config: dict[str, str] = field(default_factory=dict)
 
 
+COMMITS_SEGMENT_MS = 10 * 60 * 1000
+"""How often the commits topic rolls a segment, which compaction can then shrink to one marker per
+instance."""
+
+
 def topic_specs(cfg: Config) -> list[TopicSpec]:
     """All topics of a pipeline. Inputs and results have P partitions (partition index == pid);
     the bookkeeping topics have one, so their readers see a single total order."""
@@ -65,8 +70,14 @@ def topic_specs(cfg: Config) -> list[TopicSpec]:
         ),
         TopicSpec(name=cfg.results_topic, partitions=p),
         TopicSpec(name=cfg.dead_letter_topic, partitions=1),
-        # Compacted: only the latest commit record per key matters.
-        TopicSpec(name=cfg.sink_commits_topic, partitions=1, config={"cleanup.policy": "compact"}),
+        # Compacted: only the latest commit record per key (instance) matters. The cleaner compacts
+        # closed segments only, and a segment closes at 1 GB by default (millions of markers), so it
+        # rolls every 10 minutes: a controller that starts reads about that much, not the whole history.
+        TopicSpec(
+            name=cfg.sink_commits_topic,
+            partitions=1,
+            config={"cleanup.policy": "compact", "segment.ms": str(COMMITS_SEGMENT_MS)},
+        ),
         TopicSpec(name=cfg.metrics_topic, partitions=1),
         TopicSpec(name=cfg.control_topic, partitions=1),
         TopicSpec(name=cfg.handoff_topic, partitions=1),

@@ -17,6 +17,7 @@ from pipeline.codec import decode_tuples
 from pipeline.config import Config, load_config
 from pipeline.partitioning import pids_of
 from pipeline.topics import (
+    COMMITS_SEGMENT_MS,
     BrokerUnreachable,
     TopicError,
     admin_client,
@@ -214,6 +215,7 @@ def test_topics_are_created_once_with_the_right_shape(kafka_bootstrap: str, topi
     resource = ConfigResource(ConfigResource.Type.TOPIC, cfg.sink_commits_topic)
     configs = admin.describe_configs([resource])[resource].result()
     assert configs["cleanup.policy"].value == "compact"
+    assert configs["segment.ms"].value == str(COMMITS_SEGMENT_MS)
 
 
 def test_the_topics_named_after_a_prefix_are_deleted(kafka_bootstrap: str, topic_prefix: str) -> None:
