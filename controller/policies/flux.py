@@ -266,13 +266,12 @@ class FluxPolicy:
             snapshot.assignment.pids_of(donor.instance), key=lambda p: (-snapshot.tuples_of(p), p)
         )
         smallest_move = params.min_move_share * snapshot.tuples_of(by_tuples[0])
-        movable = [
-            snapshot.tuples_of(p)
+        movable = [  # N_p of every pid the walk below could choose
+            n_p
             for p in by_tuples
-            if p not in snapshot.moves_in_flight
+            if (n_p := snapshot.tuples_of(p)) >= max(smallest_move, 1)
+            and p not in snapshot.moves_in_flight
             and p not in taken
-            and snapshot.tuples_of(p) >= smallest_move
-            and snapshot.tuples_of(p) > 0
         ]
         if sum(movable) > 0:
             u_d_all, u_r_all = estimate_after_move(
