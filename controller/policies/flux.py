@@ -273,9 +273,9 @@ class FluxPolicy:
             and p not in snapshot.moves_in_flight
             and p not in taken
         ]
-        if sum(movable) > 0:
+        if (n_movable := sum(movable)) > 0:
             u_d_all, u_r_all = estimate_after_move(
-                u_d, t_d, u_r, t_r, sum(movable), donor.fixed_busy, receiver.fixed_busy, params.donor_cost
+                u_d, t_d, u_r, t_r, n_movable, donor.fixed_busy, receiver.fixed_busy, params.donor_cost
             )
             if u_d_all > u_r_all and imbalance(u_d_all, u_r_all) >= params.th_imb:
                 note = (

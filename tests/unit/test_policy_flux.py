@@ -27,14 +27,19 @@ def snapshot_of(
     *,
     in_flight: frozenset[int] = frozenset(),
     interval_s: float = 1.0,
+    fixed: Mapping[str, float] | None = None,
 ) -> Snapshot:
     """A snapshot from {instance: (U, {pid: N_pid})}; every site owns exactly the pids listed for it. A U
-    above 1 is a demand (an instance falling behind)."""
+    above 1 is a demand (an instance falling behind). `fixed` gives sites their per-batch share of U
+    (`InstanceStats.fixed_busy`, else 0)."""
     owners = {pid: site for site, (_, pids) in sites.items() for pid in pids}
+    fixed = fixed or {}
     return Snapshot(
         now_s=100.0,
         instances=tuple(
-            InstanceStats(site, min(u, 1.0), 0, demand=u if u > 1.0 else None)
+            InstanceStats(
+                site, min(u, 1.0), 0, fixed_busy=fixed.get(site, 0.0), demand=u if u > 1.0 else None
+            )
             for site, (u, _) in sites.items()
         ),
         pids={
@@ -98,13 +103,8 @@ def test_a_fixed_cost_lets_a_hot_pid_go_to_a_lightly_loaded_instance() -> None:
     donor = {0: 6000, 1: 4000}
 
     def decide(f_a: float, f_b: float) -> list[int]:
-        snap = snapshot_of({"a": (0.9, donor), "b": (0.5, {2: 500})})
-        fixed = {"a": f_a, "b": f_b}
-        stats = tuple(
-            InstanceStats(i.instance, i.busy_fraction, 0, fixed_busy=fixed[i.instance])
-            for i in snap.instances
-        )
-        return [m.pid for m in FLUX.decide(replace(snap, instances=stats), PARAMS).moves]
+        snap = snapshot_of({"a": (0.9, donor), "b": (0.5, {2: 500})}, fixed={"a": f_a, "b": f_b})
+        return [m.pid for m in FLUX.decide(snap, PARAMS).moves]
 
     assert decide(0.0, 0.0) == []
     assert decide(0.4, 0.45) == [1]
@@ -198,12 +198,6 @@ def test_min_move_share_keeps_cold_pids_where_they_are() -> None:
     assert [m.pid for m in FLUX.decide(arrived, floored).moves] == [0]
 
 
-def with_fixed_costs(snap: Snapshot, fixed: Mapping[str, float]) -> Snapshot:
-    """The snapshot with each instance's per-batch share of U (`InstanceStats.fixed_busy`) set."""
-    stats = tuple(replace(i, fixed_busy=fixed[i.instance]) for i in snap.instances)
-    return replace(snap, instances=stats)
-
-
 def test_a_gap_in_per_batch_costs_moves_nothing() -> None:
     """Measured at 3,000 tuples/s, 11 s into the skew, before the hot set's tuples reached the rates:
     instance-0 read U 0.804, of which about 0.77 per-batch cost, instance-3 0.473, with 16 pids alike
@@ -219,12 +213,12 @@ def test_a_gap_in_per_batch_costs_moves_nothing() -> None:
         "instance-0": (0.804, dict.fromkeys(range(16), 300)),
         "instance-3": (0.473, dict.fromkeys(range(16, 32), 300)),
     }
-    decision = FLUX.decide(with_fixed_costs(snapshot_of(alike), fixed), params)
+    decision = FLUX.decide(snapshot_of(alike, fixed=fixed), params)
     assert decision.moves == ()
     assert "moving all 16 pids it could give leaves U 0.804->0.764, 0.473->0.513" in decision.reason
     assert len(FLUX.decide(snapshot_of(alike), params).moves) > 0
     hot = {"instance-0": (1.6, dict.fromkeys(range(13), 4800) | dict.fromkeys(range(13, 16), 300))}
-    arrived = with_fixed_costs(snapshot_of(hot | {"instance-3": alike["instance-3"]}), fixed)
+    arrived = snapshot_of(hot | {"instance-3": alike["instance-3"]}, fixed=fixed)
     assert [m.pid for m in FLUX.decide(arrived, params).moves] == list(range(8))
 
 
