@@ -85,6 +85,7 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
 
     home = instance_dir(cfg, name)
     checkpoint = home / "checkpoint"
+    watermarks = (home / "watermarks.json").resolve()
     spark.dataSource.register(FluxjoinSource)
     rows = (
         spark.readStream.format("fluxjoin")
@@ -100,6 +101,8 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
         .option("trigger_ms", str(cfg.instance.trigger_ms))
         .option("metrics_topic", cfg.metrics_topic)
         .option("instance", name)
+        .option("watermarks", str(watermarks))
+        .option("control_topic", cfg.control_topic)
         .load()
     )
     joined = rows.groupBy("pid").applyInPandasWithState(
@@ -109,7 +112,7 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
         outputMode="append",
         timeoutConf="NoTimeout",
     )
-    sink = ExactlyOnceSink(cfg, bootstrap, name, incarnation, checkpoint.resolve())
+    sink = ExactlyOnceSink(cfg, bootstrap, name, incarnation, checkpoint.resolve(), watermarks)
     return (
         joined.writeStream.queryName(name.replace("-", "_"))
         .foreachBatch(sink)

@@ -16,12 +16,15 @@ stats      3      window tuples    newest event time  state bytes      tuples in
 state      4      tuple key        event time         stream index     tuple id              0
 released   5      exported tuples  watermark          0                0                     0
 track done 6      0                0                  side (1 old/2 new) 0                     0
+watermark  7      0                window watermark   0                0                     0
 =========  =====  ===============  =================  ===============  ====================  ==========
 
 `state` rows are a released pid's window, exported for its new owner (handoff mode `transfer`); the
 `released` row closes every release, exported or not, and the beginning of a parallel-track overlap on
 the sender (whose watermark the receiver starts from). `track done`: in this batch the sender's last old
-tuple left the window, or the receiver returned to the plain lateness rule.
+tuple left the window, or the receiver returned to the plain lateness rule. `watermark`: the window's
+watermark as this batch leaves it, for each pid the instance keeps; the sink notes them, so that a
+parallel track can start from the batch's plan, before the batch that begins it has run.
 """
 
 from __future__ import annotations
@@ -54,7 +57,16 @@ from pipeline.source import (
     WINDOW_ROW,
 )
 
-KIND_RESULT, KIND_LATE, KIND_MALFORMED, KIND_STATS, KIND_STATE, KIND_RELEASED, KIND_TRACK_DONE = range(7)
+(
+    KIND_RESULT,
+    KIND_LATE,
+    KIND_MALFORMED,
+    KIND_STATS,
+    KIND_STATE,
+    KIND_RELEASED,
+    KIND_TRACK_DONE,
+    KIND_WATERMARK,
+) = range(8)
 STATE_SCHEMA = "window binary"
 
 
@@ -152,6 +164,7 @@ def make_join_function(
         else:
             blob, final = window_to_bytes(out.state), out.state
             state.update((blob,))
+            yield _frame(KIND_WATERMARK, pid, 0, final.watermark, 0, [0, *zeros], 1)
         accepted = int(sum(len(p) for p in new))
         # The newest event time read: successive batches' values bound the event time their tuples
         # arrived over, so the controller can tell a pid's arrival rate from a backlog's size.

@@ -15,7 +15,8 @@ A move of pid p from S to T takes two assignment epochs (an offset barrier, as i
    `replay`) and continues at the cutoff; its batch commits `Acquired(p)`.
 
 A `parallel_track` move (PTLB) replaces step 1's barrier by an overlap: S does not stop reading p; its
-batch at the boundary marks its window old and commits `Released(p, cutoff, watermark)`. Epoch e+2 gives p
+batch at the boundary marks its window old and commits `Released(p, cutoff, watermark)` (announced
+already when the batch is planned, if the watermark at the cutoff is known then). Epoch e+2 gives p
 to T (empty window, from the cutoff) and lists p in `tracks`: S keeps reading p and emits the results
 with an old tuple until its old tuples have left the window, then commits `TrackDone(p, old)`, and the
 epoch after lets S go (the track's source becomes ""); T commits `TrackDone(p, new)` when it returns to

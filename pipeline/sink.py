@@ -18,6 +18,10 @@ handoff topic and `Released` to the control topic; a batch that installs taken-o
 `Acquired`, and the end of a parallel-track overlap `TrackDone`. Before committing, the sink reads the
 control log to its end and aborts if a newer assignment lists this instance as evicted (it was declared
 dead and its pids recovered elsewhere): a stale owner can neither emit nor acknowledge.
+
+After each commit the sink notes every kept pid's window watermark, with the offsets it has read up to,
+in a file the source reads when it plans a batch: a parallel track that begins where the last batch left
+its pid is then announced before its batch runs (decision 0023).
 """
 
 from __future__ import annotations
@@ -43,9 +47,10 @@ from pipeline.operator import (
     KIND_STATE,
     KIND_STATS,
     KIND_TRACK_DONE,
+    KIND_WATERMARK,
 )
 from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, TrackDoneMsg, handoff_from_json
-from pipeline.source import TRACK_OLD
+from pipeline.source import TRACK_OLD, write_watermarks
 from pipeline.topics import partition_offsets, read_topic
 
 RESULTS_PER_MESSAGE = 8_000  # keeps each results message well under Kafka's 1 MB default
@@ -96,12 +101,17 @@ class ExactlyOnceSink:
     """`foreachBatch` target: writes one micro-batch's output in one Kafka transaction."""
 
     def __init__(
-        self, cfg: Config, bootstrap: str, instance: str, incarnation: str, checkpoint: Path
+        self, cfg: Config, bootstrap: str, instance: str, incarnation: str, checkpoint: Path, watermarks: Path
     ) -> None:
         from confluent_kafka import Producer
         from confluent_kafka.admin import AdminClient
 
         self.cfg, self.instance, self.incarnation, self.checkpoint = cfg, instance, incarnation, checkpoint
+        # Noted from this process's batches only: a previous one may have died between its commit and
+        # its note, and a batch replayed with its output discarded notes nothing.
+        self.watermarks_path = watermarks
+        self.watermarks_path.unlink(missing_ok=True)
+        self._watermarks: dict[int, int] = {}
         self.producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
@@ -131,6 +141,8 @@ class ExactlyOnceSink:
             # batch still runs, output discarded: Spark re-derives the same state version from the same
             # logged offsets, and it fails a batch whose state stores did not all commit.
             batch_df.write.format("noop").mode("append").save()
+            self._watermarks.clear()  # its windows changed unseen
+            self.watermarks_path.unlink(missing_ok=True)
             return
         # One pass over the batch: collecting as Arrow runs the stateful operator, which commits its
         # state stores when each task's partition is consumed (a second action would recompute or need
@@ -162,6 +174,24 @@ class ExactlyOnceSink:
             raise Fenced(f"{self.instance} was declared dead in epoch {evicted_in}; not committing")
         self.producer.commit_transaction(60)
         self.last_batch = batch_id
+        self._note_watermarks(offsets, columns, kind)
+
+    def _note_watermarks(
+        self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray
+    ) -> None:
+        """Note each kept pid's window watermark and the offsets its input reaches after this batch, for
+        the source to announce a parallel track at its plan (`pipeline.source.watermark_at`). A pid the
+        operator was not called for kept its window, and its watermark, whatever its offsets did."""
+        rows = kind == KIND_WATERMARK
+        self._watermarks.update(zip(columns["pid"][rows].tolist(), columns["ts"][rows].tolist(), strict=True))
+        held = offsets["offsets"]
+        kept = held.get(self.streams[0], {})
+        self._watermarks = {p: w for p, w in self._watermarks.items() if str(p) in kept}
+        noted = {
+            str(p): {"watermark": w, "offsets": {s: held[s][str(p)] for s in self.streams}}
+            for p, w in self._watermarks.items()
+        }
+        write_watermarks(self.watermarks_path, noted)
 
     def _evicted_in(self, offsets: dict[str, Any]) -> int | None:
         """The epoch of a newer assignment that evicts this incarnation (its pids went elsewhere)."""
@@ -181,6 +211,12 @@ class ExactlyOnceSink:
                 continue
             snapshot = self._export(int(p), columns, kind) if released["export"] else None
             watermark = _released_watermark(columns, kind, int(p)) if released.get("track") else None
+            announced = released.get("watermark")
+            if announced is not None and announced != watermark:
+                raise RuntimeError(
+                    f"pid {p}'s parallel track began at watermark {watermark}, not at the {announced} "
+                    "its plan announced"
+                )
             msg = ReleasedMsg(
                 instance=self.instance,
                 epoch=epoch,

@@ -35,6 +35,7 @@ from pipeline.protocol import (
     Handoff,
     Mode,
     MoveSpec,
+    ReleasedMsg,
     Snapshot,
     handoff_from_json,
     handoff_to_json,
@@ -132,6 +133,32 @@ def read_assignment(path: Path) -> OwnedPids:
         new_tracks={int(p): m for p, m in body["new_tracks"].items()},
         track_handoffs={int(p): handoff_from_json(h) for p, h in body["track_handoffs"].items()},
     )
+
+
+# --- the watermarks file: written by the sink after every batch, read when a batch is planned ---
+
+
+def write_watermarks(path: Path, noted: Mapping[str, Mapping[str, Any]]) -> None:
+    """Atomically replace the file of each kept pid's window watermark and the offsets it has read up to:
+    `{pid: {"watermark": w, "offsets": {stream: next}}}`."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(noted))
+    os.replace(tmp, path)
+
+
+def read_watermarks(path: Path) -> dict[str, Any]:
+    """The file `write_watermarks` wrote; empty when there is none yet."""
+    try:
+        return dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return {}
+
+
+def watermark_at(noted: Mapping[str, Any], pid: int, cutoff: Mapping[str, int]) -> int | None:
+    """Pid's window watermark where its input reaches `cutoff`, if the file noted it there (else None: the
+    window at the cutoff is not known before the batch runs)."""
+    entry = noted.get(str(pid))
+    return int(entry["watermark"]) if entry is not None and entry["offsets"] == dict(cutoff) else None
 
 
 # --- offsets ---
@@ -261,7 +288,8 @@ class FluxjoinSource(DataSource):
     `assignment` (path of the assignment file), `partitions` (P), `max_rows` (tuples per batch, about:
     the source's default read limit), `tasks` (read parallelism), `window_ms` and
     `lateness_ms` (how far back a replayed window reaches), `trigger_ms` (the query's trigger interval:
-    how much waiting input makes the instance behind)."""
+    how much waiting input makes the instance behind), `watermarks` (path of the file the sink notes
+    windows' watermarks in) and `control_topic` (where a parallel track's `Released` goes at the plan)."""
 
     @classmethod
     def name(cls) -> str:
@@ -291,6 +319,10 @@ class FluxjoinStreamReader(DataSourceStreamReader):
     batch stopped. Read as usual, that batch would join the instance's whole backlog before the
     release commits with it, on the very instance a move relieves; this way the release costs one
     batch's fixed cost, and the receiver reads the moved pids' part of the backlog.
+
+    A parallel track that begins at the start of the batch needs no batch to release it when the sink
+    noted the pid's window watermark there (`watermark_at`): its `Released` goes out as soon as the
+    batch is planned (`partitions`), and the batch reads as usual (decision 0023).
     """
 
     def __init__(self, options: dict[str, str]) -> None:
@@ -307,6 +339,9 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self._arrivals = ArrivalMeter()
         metrics, instance = options.get("metrics_topic"), options.get("instance")
         self.report = ReadReport(metrics, instance) if metrics and instance else None
+        self.instance = instance or ""
+        self.watermarks_path = Path(options["watermarks"]) if "watermarks" in options else None
+        self.control_topic = options.get("control_topic")
         self._admin: Any = None
         self._consumer: Any = None
         self._per_message: float | None = None
@@ -360,7 +395,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             if int(key) in kept and (t["role"] == "old" or int(key) in owned.new_tracks):
                 tracking[key] = t
         markers.extend((p, DROP_ROW, 0, 0) for p in sorted(returning))
-        released = {}
+        released: dict[str, dict[str, Any]] = {}
         for p in sorted(int(p) for p in current.get(first, {}) if int(p) not in held):
             move = owned.releasing.get(p)
             released[str(p)] = {
@@ -386,12 +421,16 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 "export": move.mode is Mode.TRANSFER,
                 "cutoff": cutoff,
             }
+        noted = read_watermarks(self.watermarks_path) if self.watermarks_path and starting else {}
         for p, move in sorted(starting.items()):
             if str(p) not in keep[first]:
                 continue  # not read by this query: nothing to track
             cutoff = {s: keep[s][str(p)] for s in self.streams}
             released.setdefault(str(p), {"move_id": move.move_id, "export": False, "cutoff": cutoff})
             released[str(p)]["track"] = True
+            watermark = watermark_at(noted, p, cutoff) if self.control_topic else None
+            if watermark is not None:  # announced when the batch is planned (`partitions`)
+                released[str(p)]["watermark"] = watermark
             tracking[str(p)] = {"role": "old", "move_id": move.move_id}
             markers.append((p, TRACK_ROW, TRACK_OLD, 0))
         acquired: dict[str, dict[str, Any]] = {}
@@ -468,7 +507,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         held: Offsets = plan["offsets"]
         leaving = self._read_to_cutoff(start, plan["released"])
         begin = {s: {**held[s], **{p: start["offsets"][s][p] for p in leaving}} for s in self.streams}
-        moves_out = any(r["move_id"] for r in plan["released"].values())
+        moves_out = any(r["move_id"] and "watermark" not in r for r in plan["released"].values())
         end, next_pid = self._read_up_to(begin, limit, int(start.get("next_pid", 0)), moves_out)
         for p in leaving:
             plan["released"][p]["cutoff"] = {s: end[s][p] for s in self.streams}
@@ -553,6 +592,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return ReadMaxRows(self.max_rows)
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        self._announce_tracks(end)
         begin = {s: {**start["offsets"].get(s, {}), **end.get("from", {}).get(s, {})} for s in self.streams}
         ranges = [
             PidRange(i, self.topics[i], int(p), begin[s][p], e)
@@ -592,6 +632,33 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             work = HandoffWork(releases, tuple(snapshots), markers)
             tasks.append(KafkaPidPartition(replays, self.partition_count, work))
         return tasks
+
+    def _announce_tracks(self, end: dict) -> None:
+        """Publish `Released` for the parallel tracks this batch begins whose watermark the plan knows.
+
+        Spark plans a batch's partitions after it has logged the batch's offsets, so the overlap is
+        certain to begin at this cutoff, with this watermark, in this batch or its replay; the receiver
+        may start while the batch runs. The sink publishes the same message again with the batch, as
+        for every release; the controller's view keeps one per move."""
+        announced = [(p, r) for p, r in end.get("released", {}).items() if "watermark" in r and r["move_id"]]
+        if not announced or self.control_topic is None:
+            return
+        from pipeline.control import publish
+
+        producer = _producer(self.bootstrap)
+        for p, r in announced:
+            msg = ReleasedMsg(
+                instance=self.instance,
+                epoch=int(end["epoch"]),
+                pid=int(p),
+                move_id=r["move_id"],
+                cutoff=r["cutoff"],
+                snapshot=None,
+                watermark=int(r["watermark"]),
+            )
+            publish(producer, self.control_topic, msg)
+        if producer.flush(30):
+            raise RuntimeError(f"{self.instance}: Released of pids {[p for p, _ in announced]} not delivered")
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KafkaPidPartition)
@@ -635,7 +702,7 @@ def report_reading(
             {"pid": p, "stream": j, "in": n, "newest_ms": t} for (p, j), (n, t) in sorted(read.items())
         ],
     }
-    producer = _report_producer(bootstrap)
+    producer = _producer(bootstrap)
     producer.produce(report.topic, key=report.instance, value=json.dumps(record))
     producer.flush(5)
 
@@ -643,7 +710,8 @@ def report_reading(
 _PRODUCERS: dict[str, Any] = {}
 
 
-def _report_producer(bootstrap: str) -> Any:
+def _producer(bootstrap: str) -> Any:
+    """This process's producer outside transactions (read reports, parallel tracks announced at the plan)."""
     from confluent_kafka import Producer
 
     producer = _PRODUCERS.get(bootstrap)

@@ -12,6 +12,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from pipeline.codec import encode_tuples
 from pipeline.config import load_config
+from pipeline.control import ControlLog
 from pipeline.partitioning import pids_of
 from pipeline.protocol import Handoff, Mode, MoveSpec
 from pipeline.source import (
@@ -26,6 +27,7 @@ from pipeline.source import (
     PidRange,
     read_ranges,
     write_assignment,
+    write_watermarks,
 )
 from pipeline.topics import ensure_topics
 
@@ -132,3 +134,73 @@ def test_an_old_side_that_learns_its_track_ended_with_the_pids_return_enters_it_
         (1, 0, 10, 29),
         (1, 1, 5, 29),
     ]
+
+
+def test_a_parallel_track_is_announced_when_its_batch_is_planned(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """Pid 1 moves by parallel track from an instance whose sink noted pid 1's window watermark at the
+    offsets the next batch starts from. `Released` must reach the control topic when that batch's
+    partitions are planned, with the cutoff and watermark the batch will begin the overlap at; the batch
+    itself reads on. Noted at other offsets, the watermark is not known before the batch runs, and
+    nothing is announced."""
+    cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
+    ensure_topics(cfg, kafka_bootstrap)
+    keys = [k for k in range(2000) if pids_of([k], PARTITIONS)[0] == 1][:40]
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def produce(first: int, last: int) -> None:
+        for i in range(first, last):  # one tuple per message: offset i holds tuple id i, event time i
+            one = np.array([i], dtype=np.int64)
+            for stream in ("A", "B"):
+                body = encode_tuples(one, np.array([keys[i]]), one, np.zeros((1, 0), np.uint8))
+                producer.produce(cfg.input_topic(stream), body, partition=1)
+        assert producer.flush(30) == 0
+
+    produce(0, 30)
+    assignment, watermarks = tmp_path / "assignment.json", tmp_path / "watermarks.json"
+    reader = FluxjoinStreamReader(
+        {
+            "bootstrap": kafka_bootstrap,
+            "streams": "A,B",
+            "topics": f"{cfg.input_topic('A')},{cfg.input_topic('B')}",
+            "assignment": str(assignment),
+            "partitions": str(PARTITIONS),
+            "instance": "here",
+            "watermarks": str(watermarks),
+            "control_topic": cfg.control_topic,
+        }
+    )
+
+    def plan(start: dict, owned: OwnedPids) -> dict:
+        write_assignment(assignment, owned)
+        return reader.latestOffset(start, ReadAllAvailable())
+
+    owning = plan(reader.initialOffset(), OwnedPids(epoch=0, pids=frozenset({0, 1})))
+    produce(30, 40)
+    out = MoveSpec(move_id="m-out", pid=1, source="here", target="there", mode=Mode.PARALLEL_TRACK)
+    moving = OwnedPids(epoch=1, pids=frozenset({0}), releasing={1: out})
+
+    write_watermarks(watermarks, {"1": {"watermark": 27, "offsets": {"A": 29, "B": 30}}})
+    unknown = plan(owning, moving)
+    assert unknown["released"]["1"]["track"] and "watermark" not in unknown["released"]["1"]
+
+    write_watermarks(watermarks, {"1": {"watermark": 27, "offsets": {"A": 30, "B": 30}}})
+    tracking = plan(owning, moving)
+    assert tracking["released"]["1"] == {
+        "move_id": "m-out",
+        "export": False,
+        "cutoff": {"A": 30, "B": 30},
+        "track": True,
+        "watermark": 27,
+    }
+    assert tracking["offsets"]["A"]["1"] == 40, "the batch reads on"
+    log = ControlLog(kafka_bootstrap, cfg.control_topic)
+    try:
+        assert "m-out" not in log.catch_up().released, "announced before the batch was planned"
+        reader.partitions(owning, tracking)
+        released = log.catch_up().released["m-out"]
+    finally:
+        log.close()
+    assert (released.instance, released.epoch, released.pid) == ("here", 1, 1)
+    assert (released.cutoff, released.watermark, released.snapshot) == ({"A": 30, "B": 30}, 27, None)
