@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from controller.arrivals import InputTail
 from controller.assignment import Assignment, FinishedMove, Move
 from controller.policies.base import InstanceStats, Snapshot
 from controller.rounds import busy_fraction, described_by, snapshot_of
@@ -363,6 +364,7 @@ class KafkaPidMover:
         self.cfg, self.bootstrap, self.say = cfg, bootstrap, say
         self.log = ControlLog(bootstrap, cfg.control_topic)
         self.observer = Observer(cfg, bootstrap, heartbeat_timeout_s, clock)
+        self.input_tail = InputTail(cfg, bootstrap)
         self._producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
         self._requested: dict[str, MoveSpec] = {}
         self._said_before: set[str] = set()
@@ -447,6 +449,7 @@ class KafkaPidMover:
             last_adaptation_s,
             self.observer.readings,
             len(self.cfg.streams),
+            self.input_tail.rates(now_ms),
         )
 
     # --- driving ---
@@ -515,6 +518,7 @@ class KafkaPidMover:
 
     def close(self) -> None:
         self.observer.close()
+        self.input_tail.close()
         self.log.close()
         self._producer.flush(10)
 

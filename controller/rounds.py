@@ -251,6 +251,7 @@ def snapshot_of(
     last_adaptation_s: float | None,
     readings: Sequence[dict[str, Any]] = (),
     streams: int = 1,
+    arrivals: Mapping[int, float] | None = None,
 ) -> Snapshot:
     """Statistics of the instances' batch records that ended in the last `interval_s` seconds (or of
     each one's latest batch, `described_by`); the fixed cost of an instance's batches is fitted on all
@@ -263,7 +264,9 @@ def snapshot_of(
 
     The rates count what instances' batches in flight have read (`readings` of the pipeline's
     `streams`, `in_flight_reading`): a loaded instance's batch lasts long, and a hot set that arrived
-    during its last one would otherwise show only when the next one ends.
+    during its last one would otherwise show only when the next one ends. Where the input's tail gives
+    a pid's rate now (`arrivals`, `controller.arrivals.InputTail`), that rate counts instead: an
+    instance that is behind has not read what arrives now at all (decision 0024).
 
     An instance's demand is the share of its time it needs to keep up with the pids the assignment
     gives it: its fixed per-batch share plus, per pid, the pid's arrival rate times the cost per tuple
@@ -299,6 +302,7 @@ def snapshot_of(
         {i: history[i] + extra[i] for i in live}, {i: described[i] + extra[i] for i in live}
     )
     rates = {p: measured.get(p, sum(by.values()) / interval_s) for p, by in read.items()} | measured
+    rates |= arrivals or {}
     fixed_s = {i: fixed_cost_s(history[i]) for i in live}
     busy = {i: split_busy(described[i], fixed_s[i]) for i in live}
     # A tuple's cost from the described batches, else the others at hand: a release without reading

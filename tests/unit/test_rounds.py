@@ -457,3 +457,27 @@ def test_a_pids_rate_follows_its_newest_input_not_the_interval_before_it() -> No
     snap = snapshot_of(batches, ["a"], owners, frozenset(), 160_000, 26.0, 160.0, None, [reading])
     assert snap.tuples_of(25) == round(2300 / 19 * 26)
     assert snap.tuples_of(7) == round(100 / 19 * 26)
+
+
+def test_the_input_tails_rates_count_over_what_a_behind_instance_has_read() -> None:
+    """`a` is 33 s behind: its newest batch read pid 7 hot and pid 25 cold, but the input's tail says
+    the hot set is pid 25 now. The tail's rates count (pid 1, which the tail did not list, keeps its
+    measured rate), and a's demand follows pid 25 at the cost a's batches show per tuple."""
+    batches = [
+        _batch("a", 121, 19.0, 19.0, {7: 1300, 25: 50, 1: 19}, newest_s=102),
+        _batch("a", 154, 19.0, 33.0, {7: 3300, 25: 100, 1: 33}, newest_s=135),
+    ]
+    owners = Assignment(epoch=1, owners={1: "a", 7: "a", 25: "a"})
+
+    def at_160_s(arrivals: dict[int, float] | None) -> Snapshot:
+        return snapshot_of(batches, ["a"], owners, frozenset(), 160_000, 26.0, 160.0, None, arrivals=arrivals)
+
+    records, tail = at_160_s(None), at_160_s({7: 5.0, 25: 120.0})
+    assert records.tuples_of(7) > records.tuples_of(25)
+    assert (tail.tuples_of(7), tail.tuples_of(25)) == (round(5.0 * 26), round(120.0 * 26))
+    assert tail.tuples_of(1) == records.tuples_of(1) == 26
+    fixed = records.instances[0].fixed_busy
+    per_tuple = [
+        (s.instances[0].load - fixed) / sum(s.tuples_of(p) for p in (1, 7, 25)) for s in (records, tail)
+    ]
+    assert per_tuple[0] == pytest.approx(per_tuple[1], rel=0.01), "a's demand is its pids' rates at one cost"
