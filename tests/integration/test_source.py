@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from pipeline.codec import encode_tuples
-from pipeline.config import load_config
+from pipeline.config import Config, load_config
 from pipeline.control import ControlLog
 from pipeline.partitioning import pids_of
 from pipeline.protocol import Handoff, Mode, MoveSpec
@@ -32,6 +33,43 @@ from pipeline.source import (
 from pipeline.topics import ensure_topics
 
 PARTITIONS = 4
+
+
+def _produce_pid_1(cfg: Config, bootstrap: str, first: int, last: int) -> None:
+    """Tuples first..last-1 of pid 1, one per message on each stream: offset i holds tuple id i and event
+    time i."""
+    keys = [k for k in range(4000) if pids_of([k], PARTITIONS)[0] == 1][:last]
+    producer = Producer({"bootstrap.servers": bootstrap})
+    for i in range(first, last):
+        one = np.array([i], dtype=np.int64)
+        for stream in ("A", "B"):
+            body = encode_tuples(one, np.array([keys[i]]), one, np.zeros((1, 0), np.uint8))
+            producer.produce(cfg.input_topic(stream), body, partition=1)
+    assert producer.flush(30) == 0
+
+
+def _planner(
+    cfg: Config, bootstrap: str, tmp_path: Path, **options: str
+) -> tuple[FluxjoinStreamReader, Callable[[dict, OwnedPids], dict]]:
+    """A reader of streams A and B, and a function planning its next batch from `start` under `owned`."""
+    assignment = tmp_path / "assignment.json"
+    reader = FluxjoinStreamReader(
+        {
+            "bootstrap": bootstrap,
+            "streams": "A,B",
+            "topics": f"{cfg.input_topic('A')},{cfg.input_topic('B')}",
+            "assignment": str(assignment),
+            "partitions": str(PARTITIONS),
+            "instance": "here",
+            **options,
+        }
+    )
+
+    def plan(start: dict, owned: OwnedPids) -> dict:
+        write_assignment(assignment, owned)
+        return reader.latestOffset(start, ReadAllAvailable())
+
+    return reader, plan
 
 
 def test_back_to_back_ranges_of_one_partition_are_each_read_whole(
@@ -76,31 +114,8 @@ def test_an_old_side_that_learns_its_track_ended_with_the_pids_return_enters_it_
     an old tuple (none are left) and never acquire the pid: every later result of pid 1 would be lost."""
     cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
     ensure_topics(cfg, kafka_bootstrap)
-    keys = [k for k in range(2000) if pids_of([k], PARTITIONS)[0] == 1][:30]
-    producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    for i in range(30):  # one tuple per message: offset i holds tuple id i, event time i
-        one = np.array([i], dtype=np.int64)
-        for stream in ("A", "B"):
-            body = encode_tuples(one, np.array([keys[i]]), one, np.zeros((1, 0), np.uint8))
-            producer.produce(cfg.input_topic(stream), body, partition=1)
-    assert producer.flush(30) == 0
-    assignment = tmp_path / "assignment.json"
-    reader = FluxjoinStreamReader(
-        {
-            "bootstrap": kafka_bootstrap,
-            "streams": "A,B",
-            "topics": f"{cfg.input_topic('A')},{cfg.input_topic('B')}",
-            "assignment": str(assignment),
-            "partitions": str(PARTITIONS),
-            "metrics_topic": cfg.metrics_topic,
-            "instance": "here",
-        }
-    )
-
-    def plan(start: dict, owned: OwnedPids) -> dict:
-        write_assignment(assignment, owned)
-        return reader.latestOffset(start, ReadAllAvailable())
-
+    _produce_pid_1(cfg, kafka_bootstrap, 0, 30)
+    reader, plan = _planner(cfg, kafka_bootstrap, tmp_path, metrics_topic=cfg.metrics_topic)
     owning = plan(reader.initialOffset(), OwnedPids(epoch=0, pids=frozenset({0, 1})))
     out = MoveSpec(move_id="m-out", pid=1, source="here", target="there", mode=Mode.PARALLEL_TRACK)
     tracking = plan(owning, OwnedPids(epoch=1, pids=frozenset({0}), releasing={1: out}))
@@ -146,38 +161,13 @@ def test_a_parallel_track_is_announced_when_its_batch_is_planned(
     nothing is announced."""
     cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
     ensure_topics(cfg, kafka_bootstrap)
-    keys = [k for k in range(2000) if pids_of([k], PARTITIONS)[0] == 1][:40]
-    producer = Producer({"bootstrap.servers": kafka_bootstrap})
-
-    def produce(first: int, last: int) -> None:
-        for i in range(first, last):  # one tuple per message: offset i holds tuple id i, event time i
-            one = np.array([i], dtype=np.int64)
-            for stream in ("A", "B"):
-                body = encode_tuples(one, np.array([keys[i]]), one, np.zeros((1, 0), np.uint8))
-                producer.produce(cfg.input_topic(stream), body, partition=1)
-        assert producer.flush(30) == 0
-
-    produce(0, 30)
-    assignment, watermarks = tmp_path / "assignment.json", tmp_path / "watermarks.json"
-    reader = FluxjoinStreamReader(
-        {
-            "bootstrap": kafka_bootstrap,
-            "streams": "A,B",
-            "topics": f"{cfg.input_topic('A')},{cfg.input_topic('B')}",
-            "assignment": str(assignment),
-            "partitions": str(PARTITIONS),
-            "instance": "here",
-            "watermarks": str(watermarks),
-            "control_topic": cfg.control_topic,
-        }
-    )
-
-    def plan(start: dict, owned: OwnedPids) -> dict:
-        write_assignment(assignment, owned)
-        return reader.latestOffset(start, ReadAllAvailable())
+    _produce_pid_1(cfg, kafka_bootstrap, 0, 30)
+    watermarks = tmp_path / "watermarks.json"
+    options = {"watermarks": str(watermarks), "control_topic": cfg.control_topic}
+    reader, plan = _planner(cfg, kafka_bootstrap, tmp_path, **options)
 
     owning = plan(reader.initialOffset(), OwnedPids(epoch=0, pids=frozenset({0, 1})))
-    produce(30, 40)
+    _produce_pid_1(cfg, kafka_bootstrap, 30, 40)
     out = MoveSpec(move_id="m-out", pid=1, source="here", target="there", mode=Mode.PARALLEL_TRACK)
     moving = OwnedPids(epoch=1, pids=frozenset({0}), releasing={1: out})
 
