@@ -16,22 +16,23 @@ The round, as the paper gives it:
 
 Beyond the paper, `max_moves_per_pair` (default 1, the paper's rule) lets one pair move several pids in
 a round: after each chosen pid the walk goes on from the pair's estimated U_d', U_r', T_d', T_r' while a
-further move still reduces the estimated imbalance, until that imbalance is below th_imb; and a donor
-its receiver could not bring below th_imb (every further pid would push U_r' above 1) goes on to the
-next least utilized instance, from its estimates so far, so one overloaded instance can shed load to
-every idle one in a round (decision 0013). The paper's rounds last milliseconds; a micro-batch
-engine's last two triggers or more, so one pid per pair and round cannot follow a hot set of a dozen
-pids that moves (decision 0012). Also beyond it, `donor_cost` charges a moved pid to the receiver at
-the donor's cost per tuple: the paper's estimate assumes every tuple costs alike on an instance, but a
-hot key's tuple joins many more partners than a cold one, while fluxjoin's instances are alike (pods
-of one StatefulSet). And `min_move_share` (default 0, the paper's rule) leaves a pid where it is when
-it processed less than that share of the tuples of the donor's largest pid: the paper's walk moves
-any pid that reduces the imbalance at all, so a donor whose load is in a few hot pids (some of them
-on their way to it) gives away cold pid after cold pid, each worth a few thousandths of its time
-(decision 0021). Last, a pair moves nothing when moving every pid the walk could give would still
-leave the donor th_imb above the receiver: the gap is then in per-batch costs or pids in flight, which
-no move of the round shifts, and the walk would empty the donor a sliver at a time (decision 0022).
-With no per-batch cost and nothing in flight this never happens: moving every pid leaves U_d' = 0.
+further move still reduces the estimated imbalance, until that imbalance is below th_imb; and the donor
+then goes on to the next least utilized instance, from its estimates so far, for as long as it passes
+the threshold test against it (decisions 0013 and 0025). Only a donor that fails it hands that receiver
+to the next donor, so one overloaded instance sheds load to every idle one in a round. The paper's
+rounds last milliseconds; a micro-batch engine's last two triggers or more, so one pid per pair and
+round cannot follow a hot set of a dozen pids that moves (decision 0012). Also beyond it, `donor_cost`
+charges a moved pid to the receiver at the donor's cost per tuple: the paper's estimate assumes every
+tuple costs alike on an instance, but a hot key's tuple joins many more partners than a cold one, while
+fluxjoin's instances are alike (pods of one StatefulSet). And `min_move_share` (default 0, the paper's
+rule) leaves a pid where it is when it processed less than that share of the tuples of the donor's
+largest pid: the paper's walk moves any pid that reduces the imbalance at all, so a donor whose load is
+in a few hot pids (some of them on their way to it) gives away cold pid after cold pid, each worth a few
+thousandths of its time (decision 0021). Last, a pair moves nothing when moving every pid the walk could
+give would still leave the donor th_imb above the receiver: the gap is then in per-batch costs or pids
+in flight, which no move of the round shifts, and the walk would empty the donor a sliver at a time
+(decision 0022). With no per-batch cost and nothing in flight this never happens: moving every pid
+leaves U_d' = 0.
 
 Where the text is not precise, this module chooses as follows:
 
@@ -188,9 +189,9 @@ class _Walk:
     note: str
     u_d: float
     t_d: int
-    balanced: bool
-    """The pair's estimated imbalance fell below th_imb, or the donor has nothing left to give or
-    nothing worth a move (`min_move_share`)."""
+    spent: bool
+    """The donor has nothing left to give, nothing worth a move (`min_move_share`), or nothing whose
+    move could close its gap: it gives no further receiver anything this round."""
 
 
 class FluxPolicy:
@@ -203,8 +204,9 @@ class FluxPolicy:
 
     def decide(self, snapshot: Snapshot, params: FluxParams) -> Decision:
         """One round: at most max_moves_per_pair moves per (donor, receiver) pair, stopping at the first
-        failing pair. With several moves per pair, a donor its receiver could not balance goes on to
-        the next least utilized instance, from its estimates after the moves chosen so far."""
+        failing pair. With several moves per pair, a donor goes on to the next least utilized instance,
+        from its estimates after the moves chosen so far, until it fails the threshold test against
+        one; that receiver is then the next donor's."""
         calm = interval_without_moves(snapshot.interval_s, params)
         ranked = sorted(snapshot.instances, key=lambda s: (-s.load, s.instance))
         if len(ranked) < 2:
@@ -214,10 +216,16 @@ class FluxPolicy:
         notes: list[str] = []
         d, r = 0, len(ranked) - 1
         u_d, t_d = ranked[0].load, self._tuples(snapshot, ranked[0])
+        going_on = False  # the donor has been paired this round and goes on from its estimates
         while d < r:
             donor, receiver = ranked[d], ranked[r]
             pair = f"{donor.instance}->{receiver.instance}"
             failure = threshold_failure(u_d, receiver.load, mean_u, params)
+            if failure and going_on:  # the donor is done; the next one is tested against this receiver
+                notes.append(f"{donor.instance} done at {pair}: {failure}")
+                d += 1
+                u_d, t_d, going_on = ranked[d].load, self._tuples(snapshot, ranked[d]), False
+                continue
             if failure:
                 notes.append(f"stopped at {pair}: {failure}")
                 break
@@ -225,11 +233,11 @@ class FluxPolicy:
             notes.append(f"{pair}: {walk.note}")
             moves.extend(walk.moves)
             r -= 1
-            if walk.balanced or params.max_moves_per_pair == 1:
+            if walk.spent or params.max_moves_per_pair == 1:
                 d += 1
-                u_d, t_d = ranked[d].load, self._tuples(snapshot, ranked[d])
+                u_d, t_d, going_on = ranked[d].load, self._tuples(snapshot, ranked[d]), False
             else:
-                u_d, t_d = walk.u_d, walk.t_d
+                u_d, t_d, going_on = walk.u_d, walk.t_d, True
         reason = "flux: " + "; ".join(notes)
         if not moves:
             return no_change(reason, calm)
@@ -256,11 +264,11 @@ class FluxPolicy:
         earlier receivers this round (already out of T_d)."""
         t_r, u_r = self._tuples(snapshot, receiver), receiver.load
         if t_d == 0:
-            return _Walk([], "donor processed no tuples", u_d, t_d, balanced=True)
+            return _Walk([], "donor processed no tuples", u_d, t_d, spent=True)
         chosen: list[str] = []
         moves: list[Move] = []
         refused: list[str] = []
-        balanced = False
+        spent = False
         too_small = ""
         by_tuples = sorted(
             snapshot.assignment.pids_of(donor.instance), key=lambda p: (-snapshot.tuples_of(p), p)
@@ -282,7 +290,7 @@ class FluxPolicy:
                     f"moving all {len(movable)} pids it could give leaves U {u_d:.3f}->{u_d_all:.3f}, "
                     f"{u_r:.3f}->{u_r_all:.3f}: the gap is in per-batch costs and pids in flight"
                 )
-                return _Walk([], note, u_d, t_d, balanced=True)
+                return _Walk([], note, u_d, t_d, spent=True)
         for pid in by_tuples:
             n_p = snapshot.tuples_of(pid)
             if n_p == 0 or len(moves) == params.max_moves_per_pair:
@@ -295,7 +303,7 @@ class FluxPolicy:
             if n_p < smallest_move:  # and so is every later pid, for this receiver or the next
                 too_small = f"; kept pid {pid} and smaller: N_pid {n_p} < {smallest_move:.0f}"
                 too_small += " (min_move_share)"
-                balanced = True
+                spent = True
                 break
             u_d_after, u_r_after = estimate_after_move(
                 u_d, t_d, u_r, t_r, n_p, donor.fixed_busy, receiver.fixed_busy, params.donor_cost
@@ -310,14 +318,16 @@ class FluxPolicy:
             moves.append(Move(pid, donor.instance, receiver.instance, params.mode))
             chosen.append(f"pid {pid} (U {u_d:.3f}->{u_d_after:.3f}, {u_r:.3f}->{u_r_after:.3f})")
             u_d, u_r, t_d, t_r = u_d_after, u_r_after, t_d - n_p, t_r + n_p
-            if t_d == 0 or after < params.th_imb:
-                balanced = True  # by the policy's own test: further moves would only shuffle small pids
+            if t_d == 0:
+                spent = True
+                break
+            if after < params.th_imb:  # balanced by the policy's own test: the next receiver's turn
                 break
         if not moves:
             note = f"no pid reduces the imbalance ({_listing(refused) or 'no candidate pids'}){too_small}"
-            return _Walk([], note, u_d, t_d, balanced=balanced or t_d == 0)
+            return _Walk([], note, u_d, t_d, spent=spent or t_d == 0)
         passed = f"; passed over {_listing(refused)}" if refused else ""
-        return _Walk(moves, f"move {', '.join(chosen)}{passed}{too_small}", u_d, t_d, balanced)
+        return _Walk(moves, f"move {', '.join(chosen)}{passed}{too_small}", u_d, t_d, spent)
 
 
 def _listing(refusals: list[str]) -> str:

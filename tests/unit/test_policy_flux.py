@@ -176,6 +176,25 @@ def test_a_donor_its_receiver_cannot_balance_goes_on_to_the_next_receiver() -> N
     assert "stopped at r1->r2: U_d 0.500 < mean U 1.125" in paper.reason
 
 
+def test_a_donor_its_receiver_balanced_goes_on_while_it_passes_the_threshold_test() -> None:
+    """Measured at 4,000 tuples/s: a hot set's donor balanced its pair with the least utilized instance,
+    then the round stopped at the next pair, whose donor was below the mean, and the third instance
+    waited a whole round (34 s) for its share. Here the donor, at 0.9 after four pids, still passes the
+    test against r1 (0.3) and gives it two; at 0.6 it is below the mean and the warm instance, the next
+    donor, would be below it too. Under the earlier rule the round stopped at warm->r1."""
+    sites = {
+        "hot": (1.5, {p: 100 for p in range(10)}),
+        "warm": (0.5, {10: 100}),
+        "r1": (0.3, {11: 100}),
+        "r2": (0.25, {12: 100}),
+    }
+    decision = FLUX.decide(snapshot_of(sites), replace(PARAMS, max_moves_per_pair=8, donor_cost=True))
+    assert [(m.pid, m.target) for m in decision.moves] == [
+        (0, "r2"), (1, "r2"), (2, "r2"), (3, "r2"), (4, "r1"), (5, "r1")
+    ]  # fmt: skip
+    assert "hot done at hot->warm: U_d 0.600 < mean U 0.637" in decision.reason
+
+
 def test_min_move_share_keeps_cold_pids_where_they_are() -> None:
     """A donor loaded by five hot pids on their way to it (in flight, 160 tuples each) also owns 16 cold
     pids of 10 tuples, and its receivers are loaded enough that the cold pids could close the gap.
