@@ -265,23 +265,23 @@ class FluxPolicy:
         t_r, u_r = self._tuples(snapshot, receiver), receiver.load
         if t_d == 0:
             return _Walk([], "donor processed no tuples", u_d, t_d, spent=True)
-        chosen: list[str] = []
-        moves: list[Move] = []
-        refused: list[str] = []
-        spent = False
-        too_small = ""
         by_tuples = sorted(
             snapshot.assignment.pids_of(donor.instance), key=lambda p: (-snapshot.tuples_of(p), p)
         )
-        smallest_move = params.min_move_share * snapshot.tuples_of(by_tuples[0])
-        movable = [  # N_p of every pid the walk below could choose
-            n_p
+        smallest_move = max(params.min_move_share * snapshot.tuples_of(by_tuples[0]), 1)
+        refused = [
+            f"pid {p} in flight"
             for p in by_tuples
-            if (n_p := snapshot.tuples_of(p)) >= max(smallest_move, 1)
-            and p not in snapshot.moves_in_flight
-            and p not in taken
+            if p in snapshot.moves_in_flight and snapshot.tuples_of(p) >= smallest_move
         ]
-        if (n_movable := sum(movable)) > 0:
+        candidates = [  # by N_pid descending, so the pids worth a move come first
+            p
+            for p in by_tuples
+            if snapshot.tuples_of(p) > 0 and p not in snapshot.moves_in_flight and p not in taken
+        ]
+        movable = [p for p in candidates if snapshot.tuples_of(p) >= smallest_move]
+        if movable:
+            n_movable = sum(snapshot.tuples_of(p) for p in movable)
             u_d_all, u_r_all = estimate_after_move(
                 u_d, t_d, u_r, t_r, n_movable, donor.fixed_busy, receiver.fixed_busy, params.donor_cost
             )
@@ -291,20 +291,14 @@ class FluxPolicy:
                     f"{u_r:.3f}->{u_r_all:.3f}: the gap is in per-batch costs and pids in flight"
                 )
                 return _Walk([], note, u_d, t_d, spent=True)
-        for pid in by_tuples:
+        chosen: list[str] = []
+        moves: list[Move] = []
+        spent = False
+        too_small = ""
+        for pid in movable:
+            if len(moves) == params.max_moves_per_pair:
+                break
             n_p = snapshot.tuples_of(pid)
-            if n_p == 0 or len(moves) == params.max_moves_per_pair:
-                break
-            if pid in snapshot.moves_in_flight:
-                refused.append(f"pid {pid} in flight")
-                continue
-            if pid in taken:
-                continue
-            if n_p < smallest_move:  # and so is every later pid, for this receiver or the next
-                too_small = f"; kept pid {pid} and smaller: N_pid {n_p} < {smallest_move:.0f}"
-                too_small += " (min_move_share)"
-                spent = True
-                break
             u_d_after, u_r_after = estimate_after_move(
                 u_d, t_d, u_r, t_r, n_p, donor.fixed_busy, receiver.fixed_busy, params.donor_cost
             )
@@ -323,6 +317,12 @@ class FluxPolicy:
                 break
             if after < params.th_imb:  # balanced by the policy's own test: the next receiver's turn
                 break
+        else:
+            if len(movable) < len(candidates):  # every pid worth a move was walked; the rest stay
+                kept = candidates[len(movable)]
+                too_small = f"; kept pid {kept} and smaller: N_pid {snapshot.tuples_of(kept)}"
+                too_small += f" < {smallest_move:.0f} (min_move_share)"
+                spent = True
         if not moves:
             note = f"no pid reduces the imbalance ({_listing(refused) or 'no candidate pids'}){too_small}"
             return _Walk([], note, u_d, t_d, spent=spent or t_d == 0)
