@@ -487,12 +487,12 @@ def bench_convergence(
     set_: SetOpt = None,
     bootstrap: BootstrapOpt = None,
     json_: JsonOpt = False,
-    delta_min: Annotated[str, typer.Option(help="Flux delta_min values to sweep, seconds.")] = "0.25,1,4",
-    rate: Annotated[float, typer.Option(help="Input tuples/s in total.")] = 4000,
-    shift: Annotated[float, typer.Option(help="Seconds until the hot pids change (run = twice this).")] = 60,
+    delta_min: Annotated[str, typer.Option(help="Flux delta_min values to sweep, seconds.")] = "1,4,16",
+    rate: Annotated[float, typer.Option(help="Input tuples/s in total.")] = 2000,
+    shift: Annotated[float, typer.Option(help="Seconds until the hot pids change (run = twice this).")] = 90,
     instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
-    cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.45,
-    key_seconds: KeySecondsOpt = 10.0,
+    cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.25,
+    key_seconds: KeySecondsOpt = 1.0,
 ) -> None:
     """Flux after a load shift: rounds and seconds until it stops moving, moves per minute, imbalance."""
     from controller.bench import run_convergence_bench
