@@ -1,10 +1,11 @@
-"""The skew benchmark's settings: a trigger that leaves an idle instance idle time, keys in every pid."""
+"""The skew benchmark's settings: a trigger that leaves an idle instance idle time, keys in every pid;
+and its report, where a point that never drained counts as neither sustained nor verified."""
 
 from __future__ import annotations
 
 import pytest
 
-from controller.bench import flux_skew_params, skew_config, skew_trigger_ms, sustained_drain_s
+from controller.bench import flux_skew_params, skew_config, skew_summary, skew_trigger_ms, sustained_drain_s
 from pipeline.config import HotPidsKeys, load_config
 
 
@@ -41,3 +42,14 @@ def test_the_skew_follows_an_even_warm_up_and_the_input_lasts_both() -> None:
     keys = cfg.generator.keys
     assert isinstance(keys, HotPidsKeys) and keys.even_s == 60.0 and keys.move_every_s == 120.0
     assert cfg.generator.duration_s == 150.0
+
+
+def test_an_unfinished_point_is_neither_sustained_nor_counted_as_verified() -> None:
+    verified = {"sustained": True, "latency_p50_s": 9.6, "latency_p99_s": 17.8, "exact": True}
+    unfinished = {"sustained": False, "latency_p50_s": None, "latency_p99_s": None, "exact": None}
+    line = skew_summary({3000.0: verified, 6000.0: unfinished}, {"trigger_ms": 11000})
+    assert line["sustainable_rate"] == 3000.0 and line["latency_p99_s"] == 17.8
+    assert line["exact"] is True and line["points"]["6000"]["exact"] is None
+    assert line["trigger_ms"] == 11000
+    wrong = skew_summary({3000.0: verified | {"exact": False}, 6000.0: unfinished}, {})
+    assert wrong["exact"] is False
