@@ -573,6 +573,7 @@ def measure_skew_point(
     follower = MetricsFollower(pipeline.cfg, bootstrap)
     records: list[dict[str, Any]] = []
     trigger_ms = cfg.instance.trigger_ms
+    rate = cfg.generator.rate.rate * 2  # type: ignore[union-attr]
     try:
         flux = policy == "flux"
         params, mode = (flux_skew_params(trigger_ms), FLUX_SKEW_MODE) if flux else (None, "transfer")
@@ -585,7 +586,6 @@ def measure_skew_point(
         try:
             wait_drained(pipeline, timeout_s=SKEW_DRAIN_TIMEOUT_S)
         except TimeoutError as backlog_left:
-            rate = cfg.generator.rate.rate * 2  # type: ignore[union-attr]
             say(f"skew: {policy} at {rate:,.0f} tuples/s unfinished, not sustained: {backlog_left}")
             drain_s = None
         else:
@@ -617,7 +617,7 @@ def measure_skew_point(
         "late": report.late,
         "exact": report.exact,
     }
-    say(f"skew: {policy} at {cfg.generator.rate.rate * 2:,.0f} tuples/s: {point}")  # type: ignore[union-attr]
+    say(f"skew: {policy} at {rate:,.0f} tuples/s: {point}")
     return point
 
 
