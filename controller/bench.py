@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import statistics
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
@@ -878,21 +880,78 @@ def imbalance_series(records: list[dict[str, Any]], instances: list[str], start_
     return series
 
 
+@dataclass(frozen=True, slots=True)
+class Round:
+    """A flux round as the controller logged it: when (seconds since the input started), how many pids
+    it moved, and whether its first pair failed the threshold test: the policy's own verdict that the
+    instances are balanced."""
+
+    at_s: float
+    moves: int
+    balanced: bool
+
+
+_ROUND_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) policy flux: (no move|pid \d+ \S+ -> \S+) \((flux: .*)\)$")
+
+
+def rounds_of(log_lines: list[str], start: float) -> list[Round]:
+    """The flux rounds in a controller log (`controller.cli` prefixes each line with the local time of
+    day), timed from `start` (epoch seconds). A round logs one line per move, all with its reason, or one
+    "no move" line when its reason changed (an unchanged reason is the same verdict)."""
+    day = time.localtime(start)
+    start_of_day = day.tm_hour * 3600 + day.tm_min * 60 + day.tm_sec + (start % 1)
+    rounds: list[Round] = []
+    last_reason = ""
+    for line in log_lines:
+        found = _ROUND_LINE.match(line)
+        if not found:
+            continue
+        hours, minutes, seconds, what, reason = found.groups()
+        at_s = int(hours) * 3600 + int(minutes) * 60 + int(seconds) - start_of_day
+        at_s += 86400 if at_s < -43200 else 0  # past midnight
+        if what == "no move":
+            rounds.append(Round(at_s, 0, reason.startswith("flux: stopped at")))
+        elif rounds and rounds[-1].moves and reason == last_reason:
+            rounds[-1] = Round(rounds[-1].at_s, rounds[-1].moves + 1, False)
+        else:
+            rounds.append(Round(at_s, 1, False))
+        last_reason = reason
+    return rounds
+
+
 def convergence_of(
-    move_times: list[float], shift_s: float, end_s: float, quiet_s: float = 20.0
+    rounds: list[Round], shift_s: float, end_s: float, quiet_s: float = 20.0
 ) -> dict[str, Any]:
-    """From the seconds (since the input started) at which moves started: moves per minute over the run,
-    the rounds after the shift (moves started within 1 s of each other are one round), and seconds from
-    the shift to the last move, if the moves stopped at least `quiet_s` before the end (else None: still
-    moving, i.e. not converged or thrashing)."""
-    after = sorted(t for t in move_times if t >= shift_s)
-    rounds = sum(1 for i, t in enumerate(after) if i == 0 or t - after[i - 1] > 1.0)
-    settled = not after or after[-1] <= end_s - quiet_s
-    return {
-        "moves": len(move_times),
-        "moves_per_min": round(len(move_times) / (end_s / 60), 2),
-        "rounds_after_shift": rounds,
-        "settle_s": (round(after[-1] - shift_s, 1) if after else 0.0) if settled else None,
+    """Moves per minute over the run; after the shift, the rounds that moved pids, and the rounds and
+    seconds until balanced: until the first round after the shift's first moves that found the instances
+    balanced by the policy's threshold test (0 if the shift needed no move; None if no round did so).
+    `moves_after_balanced` counts what later rounds moved anyway (thrashing, or the next imbalance);
+    `settle_s` is the time from the shift to the last move, if the moves stopped at least `quiet_s`
+    before the end (else None: still moving)."""
+    moves = sum(r.moves for r in rounds)
+    after = [r for r in rounds if r.at_s >= shift_s]
+    moved_at = [r.at_s for r in after if r.moves]
+    point: dict[str, Any] = {
+        "moves": moves,
+        "moves_per_min": round(moves / (end_s / 60), 2),
+        "rounds_after_shift": len(moved_at),
+        "rounds_to_balance": 0,
+        "balanced_s": 0.0,
+        "moves_after_balanced": 0,
+        "settle_s": None if moved_at and moved_at[-1] > end_s - quiet_s else 0.0,
+    }
+    if not moved_at:
+        return point
+    if point["settle_s"] is not None:
+        point["settle_s"] = round(moved_at[-1] - shift_s, 1)
+    first_move = next(i for i, r in enumerate(after) if r.moves)
+    found = next((i for i in range(first_move, len(after)) if after[i].balanced), None)
+    if found is None:
+        return point | {"rounds_to_balance": None, "balanced_s": None}
+    return point | {
+        "rounds_to_balance": sum(1 for r in after[:found] if r.moves),
+        "balanced_s": round(after[found].at_s - shift_s, 1),
+        "moves_after_balanced": sum(r.moves for r in after[found:]),
     }
 
 
@@ -902,15 +961,11 @@ def measure_convergence(
     """One flux run with `delta_min_s`, otherwise as the skew benchmark runs flux (several moves per
     pair, parallel tracks): the input's hot pids change at `shift_s` (and at its multiples)."""
     from controller.runner import instance_names
-    from pipeline.control import ControlLog
 
     pipeline = LocalPipeline(cfg, bootstrap, work)
     follower = MetricsFollower(pipeline.cfg, bootstrap)
-    log = ControlLog(bootstrap, cfg.control_topic)
     names = instance_names(cfg.instances)
     records: list[dict[str, Any]] = []
-    move_times: list[float] = []
-    seen: set[str] = set()
     try:
         params = flux_skew_params(cfg.instance.trigger_ms) | {
             "delta_min_s": delta_min_s,
@@ -918,33 +973,25 @@ def measure_convergence(
         }
         start_warm(pipeline, follower, records, "flux", params, FLUX_SKEW_MODE)
         start = time.time()
-        while pipeline.procs["generator"].poll() is None:
-            records.extend(follower.poll())
-            fresh = log.catch_up().started - seen
-            move_times += [time.time() - start] * len(fresh)
-            seen |= fresh
-            if pipeline.failed():
-                raise RuntimeError(f"a process failed: {pipeline.failed()}")
-            time.sleep(0.5)
+        follow_input(pipeline, follower, records)
         end_s = time.time() - start
         records.extend(_drain(follower))
     finally:
-        log.close()
         follower.close()
         pipeline.stop()
+    rounds = rounds_of((work / "controller.log").read_text().splitlines(), start)
     series = imbalance_series(records, names, start * 1000)
     before = series[max(0, int((shift_s - 20) / BUCKET_S)) : int(shift_s / BUCKET_S)]
     last = series[-int(20 / BUCKET_S) - 1 : -1]  # the final bucket is partial
     point = {
-        **convergence_of(move_times, shift_s, end_s),
+        **convergence_of(rounds, shift_s, end_s),
         "imbalance_before_shift": round(statistics.median(before), 2) if before else None,
         "imbalance_at_end": round(statistics.median(last), 2) if last else None,
         "imbalance_series": series,
-        "move_times_s": [round(t, 1) for t in move_times],
+        "rounds": [[round(r.at_s, 1), r.moves, r.balanced] for r in rounds],
     }
-    say(
-        f"convergence: delta_min {delta_min_s:g} s: { {k: v for k, v in point.items() if 'series' not in k} }"
-    )
+    shown = {k: v for k, v in point.items() if k not in ("imbalance_series", "rounds")}
+    say(f"convergence: delta_min {delta_min_s:g} s: {shown}")
     return point
 
 

@@ -494,7 +494,7 @@ def bench_convergence(
     cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.25,
     key_seconds: KeySecondsOpt = 1.0,
 ) -> None:
-    """Flux after a load shift: rounds and seconds until it stops moving, moves per minute, imbalance."""
+    """Flux after a load shift: rounds and seconds until balanced, moves per minute, imbalance."""
     from controller.bench import run_convergence_bench
 
     cfg = _config(config, set_, bootstrap)
@@ -504,7 +504,7 @@ def bench_convergence(
         summary = run_convergence_bench(cfg, wanted, rate, shift, instances, cpu, key_seconds, say)
     except _user_errors() as exc:
         fail(str(exc))
-    series = ("imbalance_series", "move_times_s")
+    series = ("imbalance_series", "rounds")
     compact = {d: {k: v for k, v in p.items() if k not in series} for d, p in summary.items()}
     print(json.dumps(compact) if json_ else json.dumps(summary, indent=2))
 

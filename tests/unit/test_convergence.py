@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from controller.bench import convergence_of, imbalance_series
+import time
+
+from controller.bench import Round, convergence_of, imbalance_series, rounds_of
 
 
 def _batch(instance: str, at_s: float, duration_s: float, period_s: float = 5.0) -> dict[str, object]:
@@ -29,9 +31,50 @@ def test_an_instance_before_its_first_batch_reads_idle() -> None:
     assert imbalance_series([_batch("a", 1, 2.5)], ["a", "b"], start_ms=0) == [50.0]
 
 
-def test_moves_that_stop_have_settled_and_moves_until_the_end_have_not() -> None:
-    settled = convergence_of([10.0, 61.0, 61.5, 70.0], shift_s=60, end_s=120)
-    assert settled == {"moves": 4, "moves_per_min": 2.0, "rounds_after_shift": 2, "settle_s": 10.0}
-    thrashing = convergence_of([61.0, 80.0, 110.0], shift_s=60, end_s=120)
-    assert thrashing["settle_s"] is None and thrashing["rounds_after_shift"] == 3
-    assert convergence_of([], shift_s=60, end_s=120)["settle_s"] == 0.0
+def test_rounds_are_read_from_the_controller_log() -> None:
+    start = time.mktime((2026, 11, 25, 14, 0, 0, 0, 0, -1)) + 0.5
+    log = [
+        "14:00:00 epoch 0: 64 pids over 4 instances",
+        "14:00:10 policy flux: pid 3 instance-0 -> instance-1 (flux: instance-0->instance-1: move pid 3 (U))",
+        "14:00:10 policy flux: pid 4 instance-0 -> instance-1 (flux: instance-0->instance-1: move pid 3 (U))",
+        "14:00:11 move m-1: pid 3 instance-0 -> instance-1 (parallel_track) started",
+        "14:00:20 policy flux: pid 9 instance-0 -> instance-2 (flux: instance-0->instance-2: move pid 9)",
+        "14:00:30 policy flux: no move (flux: instance-0->instance-3: no pid reduces the imbalance)",
+        "14:00:40 policy flux: no move (flux: stopped at instance-0->instance-3: U_d/U_r 1.1 < th_imb 1.2)",
+    ]
+    assert rounds_of(log, start) == [
+        Round(9.5, 2, False),
+        Round(19.5, 1, False),
+        Round(29.5, 0, False),
+        Round(39.5, 0, True),
+    ]
+
+
+def _round(at_s: float, moves: int = 0, balanced: bool = False) -> Round:
+    return Round(at_s, moves, balanced)
+
+
+def test_balanced_at_the_first_balanced_round_after_the_shifts_first_moves() -> None:
+    rounds = [
+        _round(10, 2), _round(30, balanced=True),
+        _round(61, balanced=True),  # before the shift's load shows: not yet balanced
+        _round(65, 3), _round(75, 1), _round(80), _round(90, balanced=True), _round(105, 1),
+    ]  # fmt: skip
+    point = convergence_of(rounds, shift_s=60, end_s=120)
+    assert point == {
+        "moves": 7,
+        "moves_per_min": 3.5,
+        "rounds_after_shift": 3,
+        "rounds_to_balance": 2,
+        "balanced_s": 30.0,
+        "moves_after_balanced": 1,
+        "settle_s": None,  # a move 15 s before the end
+    }
+
+
+def test_moves_that_stop_have_settled_and_a_run_never_balanced_says_so() -> None:
+    settled = convergence_of([_round(61, 2), _round(70, 1)], shift_s=60, end_s=120)
+    assert settled["settle_s"] == 10.0
+    assert settled["rounds_to_balance"] is None and settled["balanced_s"] is None
+    quiet = convergence_of([_round(10, 1), _round(70, balanced=True)], shift_s=60, end_s=120)
+    assert quiet["rounds_to_balance"] == 0 and quiet["balanced_s"] == 0.0 and quiet["settle_s"] == 0.0
