@@ -890,8 +890,8 @@ def imbalance_series(records: list[dict[str, Any]], instances: list[str], start_
 @dataclass(frozen=True, slots=True)
 class Round:
     """A flux round as the controller logged it: when (seconds since the input started), how many pids
-    it moved, and whether its first pair failed the threshold test: the policy's own verdict that the
-    instances are balanced."""
+    it moved, and whether it found the most and the least utilized instance within th_imb of each
+    other: the policy's own verdict that the instances are balanced."""
 
     at_s: float
     moves: int
@@ -899,6 +899,11 @@ class Round:
 
 
 _ROUND_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) policy flux: (no move|pid \d+ \S+ -> \S+) \((flux: .*)\)$")
+
+
+_BALANCED = re.compile(r"flux: stopped at [^:;]+: U_d/U_r [\d.]+ < th_imb")
+"""The reason of a round whose first pair, the most and the least utilized instance, is within th_imb:
+balanced. A first pair that fails on th_util (the least utilized is busy too) is not."""
 
 
 def rounds_of(log_lines: list[str], start: float) -> list[Round]:
@@ -917,7 +922,7 @@ def rounds_of(log_lines: list[str], start: float) -> list[Round]:
         at_s = int(hours) * 3600 + int(minutes) * 60 + int(seconds) - start_of_day
         at_s += 86400 if at_s < -43200 else 0  # past midnight
         if what == "no move":
-            rounds.append(Round(at_s, 0, reason.startswith("flux: stopped at")))
+            rounds.append(Round(at_s, 0, bool(_BALANCED.match(reason))))
         elif rounds and rounds[-1].moves and reason == last_reason:
             rounds[-1] = Round(rounds[-1].at_s, rounds[-1].moves + 1, False)
         else:
@@ -931,7 +936,7 @@ def convergence_of(
 ) -> dict[str, Any]:
     """Moves per minute over the run; after the shift, the rounds that moved pids, and the rounds and
     seconds until balanced: until the first round after the shift's first moves that found the instances
-    balanced by the policy's threshold test (0 if the shift needed no move; None if no round did so).
+    balanced by the policy's own test (0 if the shift needed no move; None if no round did so).
     `moves_after_balanced` counts what later rounds moved anyway (thrashing, or the next imbalance);
     `settle_s` is the time from the shift to the last move, if the moves stopped at least `quiet_s`
     before the end (else None: still moving)."""

@@ -40,12 +40,14 @@ def test_rounds_are_read_from_the_controller_log() -> None:
         "14:00:11 move m-1: pid 3 instance-0 -> instance-1 (parallel_track) started",
         "14:00:20 policy flux: pid 9 instance-0 -> instance-2 (flux: instance-0->instance-2: move pid 9)",
         "14:00:30 policy flux: no move (flux: instance-0->instance-3: no pid reduces the imbalance)",
+        "14:00:35 policy flux: no move (flux: stopped at instance-2->instance-1: U_r 2.284 > th_util 0.9)",
         "14:00:40 policy flux: no move (flux: stopped at instance-0->instance-3: U_d/U_r 1.1 < th_imb 1.2)",
     ]
     assert rounds_of(log, start) == [
         Round(9.5, 2, False),
         Round(19.5, 1, False),
         Round(29.5, 0, False),
+        Round(34.5, 0, False),  # the least utilized is busy too: not balanced
         Round(39.5, 0, True),
     ]
 
