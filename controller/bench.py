@@ -935,36 +935,31 @@ def convergence_of(
     rounds: list[Round], shift_s: float, end_s: float, quiet_s: float = 20.0
 ) -> dict[str, Any]:
     """Moves per minute over the run; after the shift, the rounds that moved pids, and the rounds and
-    seconds until balanced: until the first round after the shift's first moves that found the instances
-    balanced by the policy's own test (0 if the shift needed no move; None if no round did so).
-    `moves_after_balanced` counts what later rounds moved anyway (thrashing, or the next imbalance);
+    seconds until balanced: until the first round after the shift's last moves that found the
+    instances balanced by the policy's own test, so that they stayed balanced to the end (0 if the
+    shift needed no move; None if no round did so: still moving, or left unbalanced). A round found
+    balanced between moves does not count, since the load it saw may not yet have been the shift's.
     `settle_s` is the time from the shift to the last move, if the moves stopped at least `quiet_s`
     before the end (else None: still moving)."""
     moves = sum(r.moves for r in rounds)
     after = [r for r in rounds if r.at_s >= shift_s]
-    moved_at = [r.at_s for r in after if r.moves]
+    moved = [i for i, r in enumerate(after) if r.moves]
     point: dict[str, Any] = {
         "moves": moves,
         "moves_per_min": round(moves / (end_s / 60), 2),
-        "rounds_after_shift": len(moved_at),
+        "rounds_after_shift": len(moved),
         "rounds_to_balance": 0,
         "balanced_s": 0.0,
-        "moves_after_balanced": 0,
-        "settle_s": None if moved_at and moved_at[-1] > end_s - quiet_s else 0.0,
+        "settle_s": None if moved and after[moved[-1]].at_s > end_s - quiet_s else 0.0,
     }
-    if not moved_at:
+    if not moved:
         return point
     if point["settle_s"] is not None:
-        point["settle_s"] = round(moved_at[-1] - shift_s, 1)
-    first_move = next(i for i, r in enumerate(after) if r.moves)
-    found = next((i for i in range(first_move, len(after)) if after[i].balanced), None)
-    if found is None:
+        point["settle_s"] = round(after[moved[-1]].at_s - shift_s, 1)
+    balanced = next((r for r in after[moved[-1] :] if r.balanced), None)
+    if balanced is None:
         return point | {"rounds_to_balance": None, "balanced_s": None}
-    return point | {
-        "rounds_to_balance": sum(1 for r in after[:found] if r.moves),
-        "balanced_s": round(after[found].at_s - shift_s, 1),
-        "moves_after_balanced": sum(r.moves for r in after[found:]),
-    }
+    return point | {"rounds_to_balance": len(moved), "balanced_s": round(balanced.at_s - shift_s, 1)}
 
 
 def measure_convergence(

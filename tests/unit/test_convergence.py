@@ -56,27 +56,28 @@ def _round(at_s: float, moves: int = 0, balanced: bool = False) -> Round:
     return Round(at_s, moves, balanced)
 
 
-def test_balanced_at_the_first_balanced_round_after_the_shifts_first_moves() -> None:
+def test_balanced_at_the_first_balanced_round_after_the_shifts_last_moves() -> None:
     rounds = [
         _round(10, 2), _round(30, balanced=True),
-        _round(61, balanced=True),  # before the shift's load shows: not yet balanced
-        _round(65, 3), _round(75, 1), _round(80), _round(90, balanced=True), _round(105, 1),
+        _round(65, 3),
+        _round(70, balanced=True),  # between moves: the load it saw may not yet be the shift's
+        _round(75, 1), _round(80), _round(90, balanced=True), _round(95),
     ]  # fmt: skip
-    point = convergence_of(rounds, shift_s=60, end_s=120)
-    assert point == {
-        "moves": 7,
-        "moves_per_min": 3.5,
-        "rounds_after_shift": 3,
+    assert convergence_of(rounds, shift_s=60, end_s=120) == {
+        "moves": 6,
+        "moves_per_min": 3.0,
+        "rounds_after_shift": 2,
         "rounds_to_balance": 2,
         "balanced_s": 30.0,
-        "moves_after_balanced": 1,
-        "settle_s": None,  # a move 15 s before the end
+        "settle_s": 15.0,
     }
 
 
-def test_moves_that_stop_have_settled_and_a_run_never_balanced_says_so() -> None:
-    settled = convergence_of([_round(61, 2), _round(70, 1)], shift_s=60, end_s=120)
-    assert settled["settle_s"] == 10.0
-    assert settled["rounds_to_balance"] is None and settled["balanced_s"] is None
+def test_a_run_still_moving_or_left_unbalanced_is_not_balanced() -> None:
+    moving = convergence_of([_round(61, 2), _round(90, balanced=True), _round(105, 1)], 60, 120)
+    assert moving["rounds_to_balance"] is None and moving["balanced_s"] is None
+    assert moving["settle_s"] is None  # a move 15 s before the end
+    unbalanced = convergence_of([_round(61, 2), _round(70, 1), _round(80)], shift_s=60, end_s=120)
+    assert unbalanced["balanced_s"] is None and unbalanced["settle_s"] == 10.0
     quiet = convergence_of([_round(10, 1), _round(70, balanced=True)], shift_s=60, end_s=120)
     assert quiet["rounds_to_balance"] == 0 and quiet["balanced_s"] == 0.0 and quiet["settle_s"] == 0.0
