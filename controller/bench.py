@@ -936,9 +936,10 @@ def convergence_of(
 ) -> dict[str, Any]:
     """Moves per minute over the run; after the shift, the rounds that moved pids, and the rounds and
     seconds until balanced: until the first round after the shift's last moves that found the
-    instances balanced by the policy's own test, so that they stayed balanced to the end (0 if the
-    shift needed no move; None if no round did so: still moving, or left unbalanced). A round found
-    balanced between moves does not count, since the load it saw may not yet have been the shift's.
+    instances balanced by the policy's own test, at least `quiet_s` before the end, so that they
+    stayed balanced that long (0 if the shift needed no move; None if no round did so: still moving,
+    or left unbalanced). A round found balanced between moves does not count: the load it saw may not
+    yet have been the shift's.
     `settle_s` is the time from the shift to the last move, if the moves stopped at least `quiet_s`
     before the end (else None: still moving)."""
     moves = sum(r.moves for r in rounds)
@@ -957,7 +958,7 @@ def convergence_of(
     if point["settle_s"] is not None:
         point["settle_s"] = round(after[moved[-1]].at_s - shift_s, 1)
     balanced = next((r for r in after[moved[-1] :] if r.balanced), None)
-    if balanced is None:
+    if balanced is None or balanced.at_s > end_s - quiet_s:
         return point | {"rounds_to_balance": None, "balanced_s": None}
     return point | {"rounds_to_balance": len(moved), "balanced_s": round(balanced.at_s - shift_s, 1)}
 

@@ -77,6 +77,8 @@ def test_a_run_still_moving_or_left_unbalanced_is_not_balanced() -> None:
     moving = convergence_of([_round(61, 2), _round(90, balanced=True), _round(105, 1)], 60, 120)
     assert moving["rounds_to_balance"] is None and moving["balanced_s"] is None
     assert moving["settle_s"] is None  # a move 15 s before the end
+    late = convergence_of([_round(61, 2), _round(95, 1), _round(105, balanced=True)], 60, 120)
+    assert late["balanced_s"] is None and late["settle_s"] == 35.0  # balanced for 15 s only
     unbalanced = convergence_of([_round(61, 2), _round(70, 1), _round(80)], shift_s=60, end_s=120)
     assert unbalanced["balanced_s"] is None and unbalanced["settle_s"] == 10.0
     quiet = convergence_of([_round(10, 1), _round(70, balanced=True)], shift_s=60, end_s=120)
