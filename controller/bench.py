@@ -963,6 +963,10 @@ def convergence_of(
     return point | {"rounds_to_balance": len(moved), "balanced_s": round(balanced.at_s - shift_s, 1)}
 
 
+CONVERGENCE_SERIES = ("imbalance_series", "rounds")
+"""A convergence point's per-bucket and per-round listings, left out where a summary is printed."""
+
+
 def measure_convergence(
     cfg: Config, bootstrap: str, work: Path, delta_min_s: float, shift_s: float, say: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -998,7 +1002,7 @@ def measure_convergence(
         "imbalance_series": series,
         "rounds": [[round(r.at_s, 1), r.moves, r.balanced] for r in rounds],
     }
-    shown = {k: v for k, v in point.items() if k not in ("imbalance_series", "rounds")}
+    shown = {k: v for k, v in point.items() if k not in CONVERGENCE_SERIES}
     say(f"convergence: delta_min {delta_min_s:g} s: {shown}")
     return point
 

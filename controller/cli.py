@@ -495,7 +495,7 @@ def bench_convergence(
     key_seconds: KeySecondsOpt = 1.0,
 ) -> None:
     """Flux after a load shift: rounds and seconds until balanced, moves per minute, imbalance."""
-    from controller.bench import run_convergence_bench
+    from controller.bench import CONVERGENCE_SERIES, run_convergence_bench
 
     cfg = _config(config, set_, bootstrap)
     say = _progress(json_)
@@ -504,8 +504,7 @@ def bench_convergence(
         summary = run_convergence_bench(cfg, wanted, rate, shift, instances, cpu, key_seconds, say)
     except _user_errors() as exc:
         fail(str(exc))
-    series = ("imbalance_series", "rounds")
-    compact = {d: {k: v for k, v in p.items() if k not in series} for d, p in summary.items()}
+    compact = {d: {k: v for k, v in p.items() if k not in CONVERGENCE_SERIES} for d, p in summary.items()}
     print(json.dumps(compact) if json_ else json.dumps(summary, indent=2))
 
 
