@@ -147,6 +147,9 @@ class GeneratorConfig(_Strict):
 
 class InstanceConfig(_Strict):
     trigger_ms: int = Field(500, ge=0)
+    # How often an instance looks at its assignment when the trigger is longer (decision 0027): batches
+    # still start a trigger apart, but one that releases or takes over a pid starts within poll_ms.
+    poll_ms: int = Field(1000, ge=1)
     max_rows_per_batch: int = Field(200_000, ge=1000)
     # One shuffle partition per core of `spark_master`: the stateful stage runs in one wave, and each
     # partition is a state store to load and commit every batch (4 vs 2 on local[2]: measured slower).

@@ -99,6 +99,7 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
         .option("window_ms", str(cfg.window_ms))
         .option("lateness_ms", str(cfg.allowed_lateness_ms))
         .option("trigger_ms", str(cfg.instance.trigger_ms))
+        .option("poll_ms", str(cfg.instance.poll_ms))
         .option("metrics_topic", cfg.metrics_topic)
         .option("instance", name)
         .option("watermarks", str(watermarks))
@@ -117,7 +118,7 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
         joined.writeStream.queryName(name.replace("-", "_"))
         .foreachBatch(sink)
         .option("checkpointLocation", str(checkpoint.resolve()))
-        .trigger(processingTime=f"{cfg.instance.trigger_ms} milliseconds")
+        .trigger(processingTime=f"{min(cfg.instance.trigger_ms, cfg.instance.poll_ms)} milliseconds")
         .start()
     )
 

@@ -105,6 +105,17 @@ def owned_pids(msg: AssignmentMsg, instance: str) -> OwnedPids:
     )
 
 
+def move_steps(owned: OwnedPids) -> frozenset[tuple[str, int, str]]:
+    """What an assignment asks of the instance, step by step: each pid to own, to release and to take
+    over (by move); a paced source plans a batch at once for a step it has not planned yet."""
+    return frozenset(
+        [("own", p, "") for p in owned.pids]
+        + [("release", p, m.move_id) for p, m in owned.releasing.items()]
+        + [("take", p, h.move_id) for p, h in owned.handoffs.items()]
+        + [("resume", p, h.move_id) for p, h in owned.track_handoffs.items()]
+    )
+
+
 def write_assignment(path: Path, owned: OwnedPids) -> None:
     """Atomically replace the assignment file (readers never see a half-written file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -287,8 +298,9 @@ class FluxjoinSource(DataSource):
     """Options: `bootstrap`, `streams` (comma separated, configured order), `topics` (same order),
     `assignment` (path of the assignment file), `partitions` (P), `max_rows` (tuples per batch, about:
     the source's default read limit), `tasks` (read parallelism), `window_ms` and
-    `lateness_ms` (how far back a replayed window reaches), `trigger_ms` (the query's trigger interval:
-    how much waiting input makes the instance behind), `watermarks` (path of the file the sink notes
+    `lateness_ms` (how far back a replayed window reaches), `trigger_ms` (the time between batches:
+    how much waiting input makes the instance behind), `poll_ms` (the query's trigger when shorter: how
+    soon a move step gets its batch), `watermarks` (path of the file the sink notes
     windows' watermarks in) and `control_topic` (where a parallel track's `Released` goes at the plan)."""
 
     @classmethod
@@ -323,6 +335,12 @@ class FluxjoinStreamReader(DataSourceStreamReader):
     A parallel track that begins at the start of the batch needs no batch to release it when the sink
     noted the pid's window watermark there (`watermark_at`): its `Released` goes out as soon as the
     batch is planned (`partitions`), and the batch reads as usual (decision 0023).
+
+    Paced (a trigger longer than the poll interval, decision 0027): Spark asks for a batch every
+    `poll_ms`, and the source plans one a trigger after the last, or at once when the assignment gives
+    the instance a move step it has not planned (`move_steps`); otherwise it answers with the start
+    offset, and Spark runs no batch. A move's step thus waits for the batch in flight, not for the next
+    trigger as well.
     """
 
     def __init__(self, options: dict[str, str]) -> None:
@@ -336,6 +354,12 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self.reach_back_ms = int(options.get("window_ms", "0")) + 2 * int(options.get("lateness_ms", "0"))
         trigger_s = int(options.get("trigger_ms", "0")) / 1000
         self.behind_horizon_s = max(BEHIND_TRIGGERS * trigger_s, MIN_BEHIND_S)
+        poll_s = int(options.get("poll_ms", "0")) / 1000
+        # Polls fall on multiples of poll_s, so a batch a trigger after the last may be asked for up to
+        # half a poll early: it still counts as due.
+        self.pace_s = trigger_s - poll_s / 2 if trigger_s > poll_s > 0 else 0.0
+        self._planned_at: float | None = None
+        self._planned_steps: frozenset[tuple[str, int, str]] = frozenset()
         self._arrivals = ArrivalMeter()
         metrics, instance = options.get("metrics_topic"), options.get("instance")
         self.report = ReadReport(metrics, instance) if metrics and instance else None
@@ -500,6 +524,14 @@ class FluxjoinStreamReader(DataSourceStreamReader):
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         owned = read_assignment(self.assignment_path)
+        steps, now = move_steps(owned), time.monotonic()
+        if (
+            self._planned_at is not None
+            and now - self._planned_at < self.pace_s
+            and steps <= self._planned_steps
+        ):
+            return start  # not due: the same offset means no batch
+        self._planned_at, self._planned_steps = now, steps
         if owned.epoch == start["epoch"]:
             end, next_pid = self._read_up_to(start["offsets"], limit, int(start.get("next_pid", 0)))
             return {"epoch": owned.epoch, "tracking": start.get("tracking", {}), "offsets": end} | next_pid

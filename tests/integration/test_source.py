@@ -194,3 +194,26 @@ def test_a_parallel_track_is_announced_when_its_batch_is_planned(
         log.close()
     assert (released.instance, released.epoch, released.pid) == ("here", 1, 1)
     assert (released.cutoff, released.watermark, released.snapshot) == ({"A": 30, "B": 30}, 27, None)
+
+
+def test_a_paced_source_plans_a_trigger_apart_or_at_once_for_a_move_step(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """Under a 60 s trigger polled every second, a plan asked for before the trigger is due must return
+    its start offset (Spark then runs no batch), even with new input or a new epoch that asks nothing
+    of this instance; a new epoch that moves one of its pids out must be planned at once."""
+    cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
+    ensure_topics(cfg, kafka_bootstrap)
+    _produce_pid_1(cfg, kafka_bootstrap, 0, 30)
+    reader, plan = _planner(cfg, kafka_bootstrap, tmp_path, trigger_ms="60000", poll_ms="1000")
+    owning = plan(reader.initialOffset(), OwnedPids(epoch=0, pids=frozenset({0, 1})))
+    assert owning["offsets"]["A"]["1"] == 30
+
+    _produce_pid_1(cfg, kafka_bootstrap, 30, 40)
+    assert plan(owning, OwnedPids(epoch=0, pids=frozenset({0, 1}))) == owning, "new input, not due"
+    assert plan(owning, OwnedPids(epoch=1, pids=frozenset({0, 1}))) == owning, "another instance's epoch"
+
+    out = MoveSpec(move_id="m-out", pid=1, source="here", target="there", mode=Mode.TRANSFER)
+    moving = plan(owning, OwnedPids(epoch=2, pids=frozenset({0}), releasing={1: out}))
+    assert moving["epoch"] == 2 and moving["released"]["1"]["move_id"] == "m-out"
+    assert moving["released"]["1"]["cutoff"] == {"A": 40, "B": 40}
