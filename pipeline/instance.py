@@ -157,6 +157,14 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
         wait_for(assignment.exists, timeout_s=3600, what="an assignment from the controller")
     spark = spark_session(cfg, f"fluxjoin-{name}")
     spark.sparkContext.setLogLevel("WARN")
+    if cfg.instance.trigger_ms > cfg.instance.poll_ms:
+        # Paced (decision 0027): Spark's trigger is the poll, and it would call every batch longer than
+        # a poll "falling behind".
+        jvm = spark.sparkContext._jvm
+        jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
+            "org.apache.spark.sql.execution.streaming.runtime.ProcessingTimeExecutor",
+            jvm.org.apache.logging.log4j.Level.ERROR,
+        )
     query = start_query(spark, cfg, bootstrap, name, follower.incarnation)
     stopping = threading.Event()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import time
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
-from controller.local import LocalPipeline, backlog, committed_offsets, wait_drained
+from controller.local import LocalPipeline, MetricsFollower, backlog, committed_offsets, wait_drained
 from generator.producer import run_generator
 from pipeline.config import Config, load_config
 from pipeline.oracle import read_topic, verify_pipeline
@@ -53,6 +54,45 @@ def test_two_instances_on_a_static_split_produce_exactly_the_oracle(
     assert report.input_tuples == 60000
     assert report.expected > 10_000, "the workload must produce a meaningful number of results"
     assert (report.missing, report.duplicate, report.spurious) == (0, 0, 0), report.describe()
+
+
+def test_a_paced_instance_runs_its_batches_a_trigger_apart_and_stays_exact(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """A 3 s trigger polled every 0.5 s (decision 0027): the source answers the polls between batches
+    with its start offset, which must make Spark run no batch then. Every batch must start a trigger
+    (less half a poll) after the one before, over a backlog that takes several batches, and the output
+    must be exact."""
+    cfg = small_config(
+        topic_prefix,
+        "generator.max_tuples=60000",
+        "generator.duration_s=null",
+        "instance.trigger_ms=3000",
+        "instance.poll_ms=500",
+    )
+    run_generator(cfg, kafka_bootstrap)
+    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
+    try:
+        pipeline.start_instance("instance-0", range(0, 8))
+        wait_drained(pipeline, timeout_s=300)
+    finally:
+        pipeline.stop()
+    metrics = MetricsFollower(cfg, kafka_bootstrap)
+    records: list[dict] = []
+    quiet = 0
+    while quiet < (10 if records else 150):  # 2 s without a record: the stopped instance's all read
+        got = list(metrics.poll())
+        records += got
+        quiet = 0 if got else quiet + 1
+    metrics.close()
+    batches = [r for r in records if r.get("kind") == "batch"]
+    starts = sorted(r["time_ms"] / 1000 - r["duration_s"] for r in batches)
+    assert len(starts) >= 3, f"the backlog must take several batches, got {len(starts)}"
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert min(gaps) > 2.5, f"batches closer than a trigger: {gaps}"
+    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
+    assert report.expected > 10_000
+    assert report.exact, report.describe()
 
 
 def test_three_way_join_is_exact(kafka_bootstrap: str, topic_prefix: str, tmp_path: Path) -> None:
