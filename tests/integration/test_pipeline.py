@@ -38,6 +38,17 @@ def small_config(prefix: str, *extra: str) -> Config:
     )
 
 
+def drain_with_one_instance(cfg: Config, bootstrap: str, work: Path) -> LocalPipeline:
+    """Run one instance owning all 8 pids until it has read all the input there is, then stop it."""
+    pipeline = LocalPipeline(cfg, bootstrap, work)
+    try:
+        pipeline.start_instance("instance-0", range(0, 8))
+        wait_drained(pipeline, timeout_s=300)
+    finally:
+        pipeline.stop()
+    return pipeline
+
+
 def test_two_instances_on_a_static_split_produce_exactly_the_oracle(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
@@ -71,12 +82,7 @@ def test_a_paced_instance_runs_its_batches_a_trigger_apart_and_stays_exact(
         "instance.poll_ms=500",
     )
     run_generator(cfg, kafka_bootstrap)
-    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
-    try:
-        pipeline.start_instance("instance-0", range(0, 8))
-        wait_drained(pipeline, timeout_s=300)
-    finally:
-        pipeline.stop()
+    pipeline = drain_with_one_instance(cfg, kafka_bootstrap, tmp_path)
     metrics = MetricsFollower(cfg, kafka_bootstrap)
     records: list[dict] = []
     quiet = 0
@@ -104,12 +110,7 @@ def test_three_way_join_is_exact(kafka_bootstrap: str, topic_prefix: str, tmp_pa
         "generator.keys={kind: uniform, count: 3000}",  # ~72K results
     )
     run_generator(cfg, kafka_bootstrap)
-    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
-    try:
-        pipeline.start_instance("instance-0", range(0, 8))
-        wait_drained(pipeline, timeout_s=300)
-    finally:
-        pipeline.stop()
+    pipeline = drain_with_one_instance(cfg, kafka_bootstrap, tmp_path)
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
     assert report.expected > 1_000
     assert report.exact, report.describe()
@@ -202,12 +203,7 @@ def test_malformed_records_go_to_the_dead_letter_topic_with_a_reason(
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
     producer.produce(cfg.input_topic("A"), value=b"\x07garbage", partition=3, key=b"3")
     producer.flush(30)
-    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
-    try:
-        pipeline.start_instance("instance-0", range(0, 8))
-        wait_drained(pipeline, timeout_s=300)
-    finally:
-        pipeline.stop()
+    pipeline = drain_with_one_instance(cfg, kafka_bootstrap, tmp_path)
     dead = [json.loads(v) for _, _, v in read_topic(kafka_bootstrap, cfg.dead_letter_topic)]
     assert [d["reason"] for d in dead] == ["malformed: truncated"]
     assert dead[0]["topic"] == cfg.input_topic("A") and dead[0]["partition"] == 3
