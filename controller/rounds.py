@@ -304,13 +304,15 @@ def snapshot_of(
     rates = {p: measured.get(p, sum(by.values()) / interval_s) for p, by in read.items()} | measured
     rates |= arrivals or {}
     fixed_s = {i: fixed_cost_s(history[i]) for i in live}
-    busy = {i: split_busy(described[i], fixed_s[i]) for i in live}
-    # A tuple's cost from the described batches, else the others at hand: a release without reading
-    # (decision 0015) says nothing of it. The first batch of new input is left out where there are
-    # others, since it pays for compiling the join (decision 0019).
+    busy = {}
     cost = {}
     for i in live:
+        # The first batch of new input pays for compiling the join (decision 0019): it says nothing
+        # of a tuple's cost, nor of how busy the instance is, where there are other batches.
         first = {id(b) for b in first_of_new_input(history[i])}
+        busy[i] = split_busy([b for b in described[i] if id(b) not in first] or described[i], fixed_s[i])
+        # A tuple's cost from the described batches, else the others at hand: a release without
+        # reading (decision 0015) says nothing of it.
         steady = [b for b in history[i] if id(b) not in first]
         cost[i] = (
             cost_per_tuple_s([b for b in described[i] if id(b) not in first], fixed_s[i])
@@ -368,6 +370,8 @@ class PolicyRounds:
     last_adaptation_s: float | None = None
     move_phase_since_s: float | None = None
     """Set while the moves of a round whose next interval is "as long as the move phase" are in flight."""
+    last_snapshot: Snapshot | None = None
+    """What the latest round decided on."""
 
     @classmethod
     def begin(cls, name: str, params: Any, now_s: float | None = None) -> PolicyRounds:
@@ -396,6 +400,7 @@ class PolicyRounds:
             return None
         if snapshot.warming:
             return None  # tried again at the next tick: the instance's load is measured within a batch
+        self.last_snapshot = snapshot
         decision = self.policy.decide(snapshot, self.params)
         interval = decision.next_interval_s
         if decision.moves and not dry_run:

@@ -50,6 +50,8 @@ def run_controller(
             mover.step()
             decision = rounds.tick(mover, dry_run=dry_run)
             if decision is not None:
+                if rounds.last_snapshot is not None:
+                    say(f"policy {policy_name} read {rounds.last_snapshot.describe()}")
                 for move in decision.moves:
                     what = f"pid {move.pid} {move.source} -> {move.target}"
                     say(f"policy {policy_name}: {what} ({decision.reason})")

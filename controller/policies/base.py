@@ -126,6 +126,21 @@ class Snapshot:
         stats = self.pids.get(pid)
         return stats.tuples if stats is not None else 0
 
+    def describe(self, largest: int = 3) -> str:
+        """What a round read, one clause per instance: U, busy fraction, fixed part, T_j over the
+        interval and its `largest` pids by N_pid. A log line of it lets a round's choice be checked
+        against its inputs afterwards."""
+        clauses = []
+        for s in self.instances:
+            own = sorted(self.assignment.pids_of(s.instance), key=lambda p: (-self.tuples_of(p), p))
+            tops = ", ".join(f"{p}:{self.tuples_of(p)}" for p in own[:largest])
+            total = sum(self.tuples_of(p) for p in own)
+            clauses.append(
+                f"{s.instance} U {s.load:.3f} busy {s.busy_fraction:.3f} fixed {s.fixed_busy:.3f} "
+                f"T {total} [{tops}]"
+            )
+        return f"over {self.interval_s:g} s: " + "; ".join(clauses)
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:

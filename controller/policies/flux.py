@@ -51,6 +51,11 @@ Where the text is not precise, this module chooses as follows:
   up; a busy fraction stops at 1, so an instance given twice what it can process would look barely
   busier than an idle one whose fixed per-batch cost fills half its time (measured: 0.85 against
   0.65), and Flux would move one or two pids where the demand needs several (decisions 0012, 0014).
+- A receiver's busy fraction, the paper's U, is held to th_util too: one above it takes nothing and
+  the next least utilized instance takes its turn, without stopping the round. Demand leaves out a
+  backlog and the tail of a parallel track, so an instance that has just shed pids and is still
+  reading what it owes reads as half loaded while busy all the time, and a pid sent there waits
+  behind that backlog (decision 0028).
 - The estimates scale only the part of U that grows with the tuples. A micro-batch costs a fixed
   amount whatever its input (`InstanceStats.fixed_busy`, estimated by the observer, decision 0010); the
   paper's operator has no such cost, and charging it per tuple makes a lightly loaded receiver look
@@ -219,6 +224,11 @@ class FluxPolicy:
         going_on = False  # the donor has been paired this round and goes on from its estimates
         while d < r:
             donor, receiver = ranked[d], ranked[r]
+            if receiver.busy_fraction > params.th_util:  # the paper's U_r test on the paper's U
+                busy = receiver.busy_fraction
+                notes.append(f"{receiver.instance} takes nothing: busy {busy:.3f} > th_util")
+                r -= 1
+                continue
             pair = f"{donor.instance}->{receiver.instance}"
             failure = threshold_failure(u_d, receiver.load, mean_u, params)
             if failure and going_on:  # the donor is done; the next one is tested against this receiver

@@ -352,6 +352,19 @@ def test_stops_at_the_first_failing_pair() -> None:
     assert "c->d" not in decision.reason
 
 
+def test_a_receiver_busy_above_th_util_takes_nothing_and_the_next_one_does() -> None:
+    """Run X1 of decision 0028: `b` has just shed its hot pids and reads as needing 0.3 of its time,
+    but it is still reading its backlog, busy 0.95. The paper's U is the busy fraction, and U_r above
+    th_util takes nothing; `c` takes the pid instead."""
+    base = snapshot_of({"a": (0.8, {0: 20, 1: 20, 2: 20, 3: 20}), "b": (0.3, {4: 30}), "c": (0.45, {5: 45})})
+    busy_b = InstanceStats("b", 0.95, 0, demand=0.3)
+    snapshot = replace(base, instances=tuple(busy_b if s.instance == "b" else s for s in base.instances))
+    decision = FLUX.decide(snapshot, PARAMS)
+    assert [(m.pid, m.source, m.target) for m in decision.moves] == [(0, "a", "c")]
+    assert "b takes nothing: busy 0.950 > th_util" in decision.reason
+    assert [m.target for m in FLUX.decide(base, PARAMS).moves] == ["b"], "as the paper's, when b is idle"
+
+
 def test_a_pair_without_a_useful_pid_does_not_stop_the_round() -> None:
     """Pair a-d passes the threshold test but a's only pid would leave a idle; pair b-c still moves."""
     sites = {

@@ -278,12 +278,14 @@ def test_an_instance_warms_up_from_its_first_batch_with_input_to_the_next_ones_r
 
 def test_a_tuples_cost_leaves_out_the_first_batch_of_new_input_where_it_can() -> None:
     """A near-idle instance's first batch with input took 11.8 s for 800 tuples (the join being
-    compiled), its next 4.4 s for 2,000; its fixed cost is its 2.4 s empty batch."""
+    compiled), its next 4.4 s for 2,000; its fixed cost is its 2.4 s empty batch. Nor is it busy
+    for compiling: as a receiver it would take nothing (decision 0028)."""
     batches = [_batch("b", 5, 2.4, 5.0, {}), _batch("b", 17, 11.8, 12.0, {2: 800})]
     batches.append(_batch("b", 29, 4.4, 12.0, {2: 2000}, newest_s=25))
     snap = snapshot_of(batches, ["b"], ASSIGNMENT, frozenset(), 30_000, 24.0, 30.0, None)
     rate = 2000 / (25 - 5.2)  # since the first batch's tuples, newest at its start
     assert snap.instances[0].load == pytest.approx(2 * 2.4 / 24 + rate * 2.0 / 2000), "1 ms a tuple, not 4.7"
+    assert snap.instances[0].busy_fraction == pytest.approx(4.4 / 12), "busy 0.37, not 0.68"
     early = snapshot_of(batches[:2], ["b"], ASSIGNMENT, frozenset(), 18_000, 24.0, 18.0, None)
     assert early.instances[0].fixed_busy > 0, "with no other batch, the first one's cost stands"
 
