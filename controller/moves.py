@@ -27,7 +27,7 @@ from typing import Any
 from controller.arrivals import InputTail
 from controller.assignment import Assignment, FinishedMove, Move
 from controller.policies.base import InstanceStats, Snapshot
-from controller.rounds import busy_fraction, described_by, snapshot_of
+from controller.rounds import busy_fraction, described_by, shortest_empty_s, snapshot_of
 from pipeline.config import Config
 from pipeline.control import ControlLog, publish
 from pipeline.protocol import (
@@ -295,6 +295,7 @@ class Observer:
         self.seen: dict[str, tuple[float, str]] = {}  # instance -> (last heartbeat, incarnation)
         self.batches: list[dict[str, Any]] = []
         self.readings: list[dict[str, Any]] = []  # what batches in flight have read (`report_reading`)
+        self.empty_s: dict[str, float] = {}  # instance -> its shortest batch that read nothing, ever
         # read_uncommitted: heartbeats are not transactional, and a dead instance's open transaction on
         # this topic must not hide the others' heartbeats (load figures from aborted batches are harmless).
         self._consumer = Consumer(
@@ -322,6 +323,10 @@ class Observer:
                 self.seen[record["instance"]] = (self.clock() - age_s, record["incarnation"])
             elif record.get("kind") == "batch":
                 self.batches.append(record)
+                empty = shortest_empty_s([record])
+                if empty is not None:
+                    name = record["instance"]
+                    self.empty_s[name] = min(self.empty_s.get(name, empty), empty)
             elif record.get("kind") == "reading":
                 self.readings.append(record)
         cutoff = now_ms - 120_000
@@ -450,6 +455,7 @@ class KafkaPidMover:
             self.observer.readings,
             len(self.cfg.streams),
             self.input_tail.rates(now_ms),
+            self.observer.empty_s,
         )
 
     # --- driving ---

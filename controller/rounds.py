@@ -90,28 +90,41 @@ MIN_FIT_BATCHES = 5
 stands in."""
 
 
-def fixed_cost_s(batches: Sequence[dict[str, Any]]) -> float:
+def shortest_empty_s(batches: Sequence[dict[str, Any]]) -> float | None:
+    """The shortest of these batches that read nothing (not a query's first, batch 0, which pays for
+    Spark starting); None if there is none."""
+    return min(
+        (float(b["duration_s"]) for b in batches if b["tuples_in"] == 0 and b.get("batch") != 0), default=None
+    )
+
+
+def fixed_cost_s(batches: Sequence[dict[str, Any]], empty_s: float | None = None) -> float:
     """Seconds one of the instance's batches costs whatever its input: the intercept of a least-squares
     line of batch duration against tuples read, kept within [0, the shortest batch] (a line that says
-    more input costs less is noise, and no batch costs less than its fixed part).
+    more input costs less is noise, and no batch costs less than its fixed part), and no longer than
+    the shortest batch that read nothing, among these and `empty_s` (the instance's shortest such
+    batch so far, kept beyond the history at hand). A batch that read nothing is the fixed cost
+    measured directly; in a steady spell every batch reads about as many tuples, the line's intercept
+    is poorly determined, and it was measured at 3.5-4.2 s where empty batches took 2.2-2.8 s
+    (decision 0029).
 
     Before MIN_FIT_BATCHES batches, or with tuple counts all alike, it is the shortest batch that read
-    nothing (an instance's second batch, before its input starts, or a release; not a query's first,
-    batch 0, which pays for Spark starting), no longer than the shortest batch, else 0, unknown. A
-    round early in the input would otherwise charge a near-idle instance's whole batch time to its
-    few tuples, read it as nearly busy, and refuse it a hot pid (decision 0019)."""
+    nothing (an instance's second batch, before its input starts, or a release), no longer than the
+    shortest batch, else 0, unknown. A round early in the input would otherwise charge a near-idle
+    instance's whole batch time to its few tuples, read it as nearly busy, and refuse it a hot pid
+    (decision 0019)."""
     durations = [float(b["duration_s"]) for b in batches]
-    empty = (
-        d for d, b in zip(durations, batches, strict=True) if b["tuples_in"] == 0 and b.get("batch") != 0
-    )
-    idle = min(min(empty, default=0.0), min(durations, default=0.0))
+    known = [s for s in (empty_s, shortest_empty_s(batches)) if s is not None]
+    shortest = min(durations, default=0.0)
+    idle = min(min(known), shortest) if known else 0.0
     if len(batches) < MIN_FIT_BATCHES:
         return idle
     try:
         _, intercept = statistics.linear_regression([float(b["tuples_in"]) for b in batches], durations)
     except statistics.StatisticsError:
         return idle
-    return min(max(intercept, 0.0), min(durations))
+    fitted = min(max(intercept, 0.0), shortest)
+    return min(fitted, idle) if known else fitted
 
 
 def split_busy(described: Sequence[dict[str, Any]], fixed_s: float) -> tuple[float, float]:
@@ -252,6 +265,7 @@ def snapshot_of(
     readings: Sequence[dict[str, Any]] = (),
     streams: int = 1,
     arrivals: Mapping[int, float] | None = None,
+    empty_s: Mapping[str, float] | None = None,
 ) -> Snapshot:
     """Statistics of the instances' batch records that ended in the last `interval_s` seconds (or of
     each one's latest batch, `described_by`); the fixed cost of an instance's batches is fitted on all
@@ -266,7 +280,9 @@ def snapshot_of(
     `streams`, `in_flight_reading`): a loaded instance's batch lasts long, and a hot set that arrived
     during its last one would otherwise show only when the next one ends. Where the input's tail gives
     a pid's rate now (`arrivals`, `controller.arrivals.InputTail`), that rate counts instead: an
-    instance that is behind has not read what arrives now at all (decision 0024).
+    instance that is behind has not read what arrives now at all (decision 0024). `empty_s` gives
+    each instance's shortest batch that read nothing so far, a bound on its fixed cost that outlasts
+    the history (`fixed_cost_s`).
 
     An instance's demand is the share of its time it needs to keep up with the pids the assignment
     gives it: its fixed per-batch share plus, per pid, the pid's arrival rate times the cost per tuple
@@ -303,7 +319,7 @@ def snapshot_of(
     )
     rates = {p: measured.get(p, sum(by.values()) / interval_s) for p, by in read.items()} | measured
     rates |= arrivals or {}
-    fixed_s = {i: fixed_cost_s(history[i]) for i in live}
+    fixed_s = {i: fixed_cost_s(history[i], (empty_s or {}).get(i)) for i in live}
     busy = {}
     cost = {}
     for i in live:

@@ -353,7 +353,7 @@ def test_stops_at_the_first_failing_pair() -> None:
 
 
 def test_a_receiver_busy_above_th_util_takes_nothing_and_the_next_one_does() -> None:
-    """Run X1 of decision 0028: `b` has just shed its hot pids and reads as needing 0.3 of its time,
+    """Run X of decision 0028: `b` has just shed its hot pids and reads as needing 0.3 of its time,
     but it is still reading its backlog, busy 0.95. The paper's U is the busy fraction, and U_r above
     th_util takes nothing; `c` takes the pid instead."""
     base = snapshot_of({"a": (0.8, {0: 20, 1: 20, 2: 20, 3: 20}), "b": (0.3, {4: 30}), "c": (0.45, {5: 45})})

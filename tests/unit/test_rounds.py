@@ -224,6 +224,18 @@ def test_the_fixed_cost_of_a_batch_is_the_intercept_of_duration_against_tuples()
     assert fixed_cost_s(falling) == pytest.approx(1.0), "never more than the shortest batch"
 
 
+def test_no_fixed_cost_is_longer_than_a_batch_that_read_nothing() -> None:
+    """Run Y of decision 0029: in a steady spell every batch reads about as many tuples, and a CPU
+    quota makes their durations noisy, so the line's intercept comes out above what the instance's
+    batch before its input took; that batch is the fixed cost measured directly."""
+    steady = [_timed(d, n) for d, n in ((5.6, 13000), (4.9, 14000), (5.0, 13500), (4.4, 14200), (6.1, 13100))]
+    fitted = fixed_cost_s(steady)
+    assert fitted > 3.0, "the line alone"
+    assert fixed_cost_s(steady, empty_s=2.41) == 2.41, "the instance's empty batch, out of the history"
+    assert fixed_cost_s([_timed(2.41, 0), *steady]) == 2.41, "or one at hand"
+    assert fixed_cost_s(steady, empty_s=9.0) == fitted, "a bound above the line changes nothing"
+
+
 def test_before_a_fit_the_shortest_batch_without_input_is_the_fixed_cost() -> None:
     """An instance 30 s into the input: its warm-up batch, a batch before the input started, two with
     input. The warm-up batch read nothing too, but it pays for Spark's start; the shortest one is the
