@@ -326,12 +326,13 @@ def snapshot_of(
         # The first batch of new input pays for compiling the join (decision 0019): it says nothing
         # of a tuple's cost, nor of how busy the instance is, where there are other batches.
         first = {id(b) for b in first_of_new_input(history[i])}
-        busy[i] = split_busy([b for b in described[i] if id(b) not in first] or described[i], fixed_s[i])
+        described_steady = [b for b in described[i] if id(b) not in first]
+        busy[i] = split_busy(described_steady or described[i], fixed_s[i])
         # A tuple's cost from the described batches, else the others at hand: a release without
         # reading (decision 0015) says nothing of it.
         steady = [b for b in history[i] if id(b) not in first]
         cost[i] = (
-            cost_per_tuple_s([b for b in described[i] if id(b) not in first], fixed_s[i])
+            cost_per_tuple_s(described_steady, fixed_s[i])
             or cost_per_tuple_s(steady, fixed_s[i])
             or cost_per_tuple_s(described[i], fixed_s[i])
             or cost_per_tuple_s(history[i], fixed_s[i])

@@ -126,6 +126,10 @@ class Snapshot:
         stats = self.pids.get(pid)
         return stats.tuples if stats is not None else 0
 
+    def tuples_on(self, instance: str) -> int:
+        """T_j: the tuples of the pids the assignment gives to the instance."""
+        return sum(self.tuples_of(p) for p in self.assignment.pids_of(instance))
+
     def describe(self, largest: int = 3) -> str:
         """What a round read, one clause per instance: U, busy fraction, fixed part, T_j over the
         interval and its `largest` pids by N_pid. A log line of it lets a round's choice be checked
@@ -134,10 +138,9 @@ class Snapshot:
         for s in self.instances:
             own = sorted(self.assignment.pids_of(s.instance), key=lambda p: (-self.tuples_of(p), p))
             tops = ", ".join(f"{p}:{self.tuples_of(p)}" for p in own[:largest])
-            total = sum(self.tuples_of(p) for p in own)
             clauses.append(
                 f"{s.instance} U {s.load:.3f} busy {s.busy_fraction:.3f} fixed {s.fixed_busy:.3f} "
-                f"T {total} [{tops}]"
+                f"T {self.tuples_on(s.instance)} [{tops}]"
             )
         return f"over {self.interval_s:g} s: " + "; ".join(clauses)
 

@@ -220,7 +220,7 @@ class FluxPolicy:
         moves: list[Move] = []
         notes: list[str] = []
         d, r = 0, len(ranked) - 1
-        u_d, t_d = ranked[0].load, self._tuples(snapshot, ranked[0])
+        u_d, t_d = ranked[0].load, snapshot.tuples_on(ranked[0].instance)
         going_on = False  # the donor has been paired this round and goes on from its estimates
         while d < r:
             donor, receiver = ranked[d], ranked[r]
@@ -234,7 +234,7 @@ class FluxPolicy:
             if failure and going_on:  # the donor is done; the next one is tested against this receiver
                 notes.append(f"{donor.instance} done at {pair}: {failure}")
                 d += 1
-                u_d, t_d, going_on = ranked[d].load, self._tuples(snapshot, ranked[d]), False
+                u_d, t_d, going_on = ranked[d].load, snapshot.tuples_on(ranked[d].instance), False
                 continue
             if failure:
                 notes.append(f"stopped at {pair}: {failure}")
@@ -245,18 +245,13 @@ class FluxPolicy:
             r -= 1
             if walk.spent or params.max_moves_per_pair == 1:
                 d += 1
-                u_d, t_d, going_on = ranked[d].load, self._tuples(snapshot, ranked[d]), False
+                u_d, t_d, going_on = ranked[d].load, snapshot.tuples_on(ranked[d].instance), False
             else:
                 u_d, t_d, going_on = walk.u_d, walk.t_d, True
         reason = "flux: " + "; ".join(notes)
         if not moves:
             return no_change(reason, calm)
         return Decision(tuple(moves), reason, None)
-
-    @staticmethod
-    def _tuples(snapshot: Snapshot, instance: InstanceStats) -> int:
-        """T_j: the tuples of the pids the assignment gives to the instance."""
-        return sum(snapshot.tuples_of(pid) for pid in snapshot.assignment.pids_of(instance.instance))
 
     def _pick(
         self,
@@ -272,7 +267,7 @@ class FluxPolicy:
         U_d and T_d: each one whose move reduces the pair's estimated imbalance, up to
         max_moves_per_pair, the estimates carried from move to move. `taken` are the pids chosen for
         earlier receivers this round (already out of T_d)."""
-        t_r, u_r = self._tuples(snapshot, receiver), receiver.load
+        t_r, u_r = snapshot.tuples_on(receiver.instance), receiver.load
         if t_d == 0:
             return _Walk([], "donor processed no tuples", u_d, t_d, spent=True)
         by_tuples = sorted(
