@@ -633,17 +633,17 @@ def measure_skew_point(
 def run_skew_bench(
     cfg: Config,
     rates: list[float],
-    seconds: float = 240,
+    seconds: float = 480,
     instances: int = 4,
     cpu: float = 0.25,
     key_seconds: float = 1.0,
-    hot_set_s: float = 120.0,
+    hot_set_s: float = 240.0,
     even_s: float = 60.0,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Both policies at each rate (ascending), side by side; stops a policy at its first failed rate.
     The defaults are the setting in which static saturates before the machine does: a quarter core per
-    instance, a heavy join per tuple (1 s of keys), and two hot sets of 120 s each."""
+    instance, a heavy join per tuple (1 s of keys), and two hot sets of 240 s each (decision 0030)."""
     from controller.kafka_runtime import broker_unless
 
     run_id, work = new_run(cfg, "skew")
@@ -673,8 +673,29 @@ def run_skew_bench(
             drop_run_topics(bootstrap, run_id, say)
     setting = {"hot_set_s": hot_set_s, "even_s": even_s, "idle_batch_s": idle_s, "trigger_ms": trigger_ms}
     summary = {policy: skew_summary(by_rate, setting) for policy, by_rate in points.items()}
+    summary["flux"]["against_static"] = against_static(summary["static"], summary["flux"])
+    say(f"skew: flux against static: {summary['flux']['against_static']}")
     save_report(run_id, "skew", summary, say)
     return summary
+
+
+def against_static(static: dict[str, Any], flux: dict[str, Any]) -> dict[str, Any]:
+    """The issue's two ratios, from the two policies' lines of one run (`skew_summary`): flux's
+    sustainable rate over static's, and static's latency over flux's at static's saturation rate (the
+    lowest rate static did not sustain). A ratio whose points are missing or unfinished is None."""
+
+    def ratio(num: float | None, den: float | None) -> float | None:
+        return round(num / den, 2) if num is not None and den else None
+
+    failed = [rate for rate, p in static["points"].items() if not p["sustained"]]
+    saturation = min(failed, key=int) if failed else None
+    at_static, at_flux = static["points"].get(saturation, {}), flux["points"].get(saturation, {})
+    return {
+        "rate_ratio": ratio(flux["sustainable_rate"], static["sustainable_rate"]),
+        "static_saturation_rate": float(saturation) if saturation else None,
+        "latency_p50_ratio": ratio(at_static.get("latency_p50_s"), at_flux.get("latency_p50_s")),
+        "latency_p99_ratio": ratio(at_static.get("latency_p99_s"), at_flux.get("latency_p99_s")),
+    }
 
 
 def skew_summary(by_rate: dict[float, dict[str, Any]], setting: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from controller.bench import flux_skew_params, skew_config, skew_summary, skew_trigger_ms, sustained_drain_s
+from controller.bench import (
+    against_static,
+    flux_skew_params,
+    skew_config,
+    skew_summary,
+    skew_trigger_ms,
+    sustained_drain_s,
+)
 from pipeline.config import HotPidsKeys, load_config
 
 
@@ -53,3 +60,22 @@ def test_an_unfinished_point_is_neither_sustained_nor_counted_as_verified() -> N
     assert line["trigger_ms"] == 11000
     wrong = skew_summary({3000.0: verified | {"exact": False}, 6000.0: unfinished}, {})
     assert wrong["exact"] is False
+
+
+def test_flux_is_compared_with_static_at_statics_first_failed_rate() -> None:
+    def point(sustained: bool, p50: float | None, p99: float | None) -> dict[str, object]:
+        return {"sustained": sustained, "latency_p50_s": p50, "latency_p99_s": p99, "exact": True}
+
+    static = skew_summary({3000.0: point(True, 30.0, 100.0), 4000.0: point(False, 60.0, 280.0)}, {})
+    flux = skew_summary({r: point(r < 7000, 9.0, 20.0) for r in (3000.0, 4000.0, 5000.0, 6000.0, 7000.0)}, {})
+    compared = against_static(static, flux)
+    assert compared == {
+        "rate_ratio": 2.0,
+        "static_saturation_rate": 4000.0,
+        "latency_p50_ratio": round(60 / 9, 2),
+        "latency_p99_ratio": 14.0,
+    }
+    unfinished = skew_summary({3000.0: point(True, 30.0, 100.0), 4000.0: point(False, None, None)}, {})
+    assert against_static(unfinished, flux)["latency_p99_ratio"] is None
+    never_failed = against_static(static | {"points": {"3000": point(True, 30.0, 100.0)}}, flux)
+    assert never_failed["static_saturation_rate"] is None and never_failed["latency_p99_ratio"] is None
