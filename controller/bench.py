@@ -633,17 +633,17 @@ def measure_skew_point(
 def run_skew_bench(
     cfg: Config,
     rates: list[float],
-    seconds: float = 480,
+    seconds: float = 240,
     instances: int = 4,
     cpu: float = 0.25,
     key_seconds: float = 1.0,
-    hot_set_s: float = 240.0,
+    hot_set_s: float = 120.0,
     even_s: float = 60.0,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Both policies at each rate (ascending), side by side; stops a policy at its first failed rate.
     The defaults are the setting in which static saturates before the machine does: a quarter core per
-    instance, a heavy join per tuple (1 s of keys), and two hot sets of 240 s each (decision 0030)."""
+    instance, a heavy join per tuple (1 s of keys), and two hot sets of 120 s each (decision 0030)."""
     from controller.kafka_runtime import broker_unless
 
     run_id, work = new_run(cfg, "skew")

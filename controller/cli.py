@@ -433,11 +433,11 @@ def bench_skew(
     bootstrap: BootstrapOpt = None,
     json_: JsonOpt = False,
     rates: Annotated[str, typer.Option(help="Input rates, tuples/s in total.")] = "3000,4000,5000,6000",
-    seconds: Annotated[float, typer.Option(help="Seconds of skewed input per point, after --even-s.")] = 480,
+    seconds: Annotated[float, typer.Option(help="Seconds of skewed input per point, after --even-s.")] = 240,
     instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
     cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.25,
     key_seconds: KeySecondsOpt = 1.0,
-    hot_set_s: Annotated[float, typer.Option(help="Seconds between moves of the hot pids.")] = 240,
+    hot_set_s: Annotated[float, typer.Option(help="Seconds between moves of the hot pids.")] = 120,
     even_s: Annotated[
         float, typer.Option(help="Seconds of even input before the skew, warming the join up.")
     ] = 60,
