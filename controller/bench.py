@@ -36,7 +36,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from controller.local import LocalPipeline, MetricsFollower, end_offsets, wait_drained, weighted_percentiles
+from controller.local import (
+    LocalPipeline,
+    MetricsFollower,
+    ProcessFailed,
+    end_offsets,
+    wait_drained,
+    weighted_percentiles,
+)
 from pipeline.config import Config, HotPidsKeys
 
 SPARK_KAFKA_POM = Path(__file__).with_name("spark_kafka_pom.xml")
@@ -501,8 +508,7 @@ def follow_input(pipeline: LocalPipeline, follower: MetricsFollower, records: li
     """Keep the metrics records read until the generator exits; raise if a process failed meanwhile."""
     while pipeline.procs["generator"].poll() is None:
         records.extend(follower.poll())
-        if pipeline.failed():
-            raise RuntimeError(f"a process failed: {pipeline.failed()}")
+        pipeline.check_alive()
 
 
 def wait_warm(
@@ -525,8 +531,7 @@ def wait_warm(
             records.append(r)
             if r.get("kind") == "batch":
                 pending.discard(r["instance"])
-        if pipeline.failed():
-            raise RuntimeError(f"a process failed: {pipeline.failed()}")
+        pipeline.check_alive()
         if time.monotonic() > deadline:
             raise TimeoutError(f"{', '.join(sorted(pending))} finished no micro-batch in {timeout_s:.0f} s")
 
@@ -574,8 +579,9 @@ def measure_skew_point(
     within `sustained_drain_s`, the assignment held from then on (`hold_assignment`); latency
     percentiles over results from the skew's start (after the even warm-up, at least 20 s in). The
     output is checked against the oracle: a policy's moves, several at a time, must lose and
-    duplicate nothing. A point that does not drain within SKEW_DRAIN_TIMEOUT_S is unfinished: its
-    results are incomplete, so neither its latency nor its exactness is known (both None)."""
+    duplicate nothing. A point that does not drain within SKEW_DRAIN_TIMEOUT_S, or in which a process
+    fails (an instance out of heap), is unfinished, with the reason: its results are incomplete, so
+    neither its latency nor its exactness is known (both None)."""
     from pipeline.oracle import verify_pipeline
 
     pipeline = LocalPipeline(cfg, bootstrap, work)
@@ -588,14 +594,16 @@ def measure_skew_point(
         params, mode = (flux_skew_params(trigger_ms), FLUX_SKEW_MODE) if flux else (None, "transfer")
         start_warm(pipeline, follower, records, policy, params, mode)
         started_ms = time.time() * 1000
-        follow_input(pipeline, follower, records)
-        input_end = time.monotonic()
-        hold_assignment(pipeline, mode)
         drain_s: float | None
+        failure: str | None = None
         try:
+            follow_input(pipeline, follower, records)
+            input_end = time.monotonic()
+            hold_assignment(pipeline, mode)
             wait_drained(pipeline, timeout_s=SKEW_DRAIN_TIMEOUT_S)
-        except TimeoutError as backlog_left:
-            say(f"skew: {policy} at {rate:,.0f} tuples/s unfinished, not sustained: {backlog_left}")
+        except (TimeoutError, ProcessFailed) as stopped:
+            failure = str(stopped).splitlines()[0]
+            say(f"skew: {policy} at {rate:,.0f} tuples/s unfinished, not sustained: {stopped}")
             drain_s = None
         else:
             drain_s = time.monotonic() - input_end
@@ -607,7 +615,14 @@ def measure_skew_point(
     moves = sum(1 for line in (work / "controller.log").read_text().splitlines() if line.endswith("started"))
     if drain_s is None:
         unknown = ("latency_p50_s", "latency_p99_s", "results", "missing", "duplicate", "spurious", "late")
-        return {"drain_s": None, "sustained": False, "moves": moves, "exact": None} | dict.fromkeys(unknown)
+        unfinished = {
+            "drain_s": None,
+            "sustained": False,
+            "unfinished": failure,
+            "moves": moves,
+            "exact": None,
+        }
+        return unfinished | dict.fromkeys(unknown)
     keys = cfg.generator.keys
     skew_ms = started_ms + max(20.0, keys.even_s if isinstance(keys, HotPidsKeys) else 0.0) * 1000
     steady = [r for r in records if r.get("kind") == "batch" and r["time_ms"] >= skew_ms]
@@ -807,8 +822,7 @@ def measure_move_cost(
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             records.extend(r for r in follower.poll() if r.get("kind") == "batch")
-            if pipeline.failed():
-                raise RuntimeError(f"a process failed: {pipeline.failed()}")
+            pipeline.check_alive()
 
     out: dict[str, Any] = {}
     names = instance_names(2)

@@ -237,10 +237,7 @@ def _run_live(
                 if now - last_check > 2:
                     last_check = now
                     left = backlog(pipeline.cfg, pipeline.bootstrap, control)
-                    failed = pipeline.failed()
-                    if failed:
-                        name = next(iter(failed))
-                        raise RuntimeError(f"{name} exited with {failed[name]}:\n{pipeline.log_tail(name)}")
+                    pipeline.check_alive()
                     if pipeline.procs["generator"].poll() == 0 and left == 0:
                         break
                 live.update(live_view(stats, now - t0, left, controller_events(pipeline)))

@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from pipeline.control import ControlLog
 
 
+class ProcessFailed(RuntimeError):
+    """A process of the local pipeline exited with an error (an instance whose JVM ran out of heap,
+    a controller refusing its options): no wait on the pipeline outlives it."""
+
+
 def pid_spec(pids: range | list[int]) -> str:
     return ",".join(str(p) for p in pids)
 
@@ -116,10 +121,7 @@ class LocalPipeline:
         deadline = time.monotonic() + timeout_s
         for name in names:
             while ": running" not in (self.work / f"{name}.log").read_text(errors="replace"):
-                failed = self.failed()  # any process: e.g. a controller refusing its options
-                if failed:
-                    who, code = next(iter(failed.items()))
-                    raise RuntimeError(f"{who} exited with {code}:\n{self.log_tail(who)}")
+                self.check_alive()  # any process: e.g. a controller refusing its options
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} did not start its query within {timeout_s:.0f} s")
                 time.sleep(0.5)
@@ -127,6 +129,13 @@ class LocalPipeline:
     def failed(self) -> dict[str, int]:
         """Processes that exited with an error (the generator exiting 0 is normal)."""
         return {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
+
+    def check_alive(self, lines: int = 20) -> None:
+        """Raise ProcessFailed, with the log's tail, if a process exited with an error."""
+        failed = self.failed()
+        if failed:
+            who, code = next(iter(failed.items()))
+            raise ProcessFailed(f"{who} exited with {code}:\n{self.log_tail(who, lines)}")
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         """The log's last lines, headed by its last root cause (a JVM trace ends far from its cause)."""
@@ -226,10 +235,7 @@ def wait_drained(pipeline: LocalPipeline, timeout_s: float) -> None:
             left = backlog(pipeline.cfg, pipeline.bootstrap, control)
             if left == 0:
                 return
-            failed = pipeline.failed()
-            if failed:
-                name = next(iter(failed))
-                raise RuntimeError(f"{name} exited with {failed[name]}:\n{pipeline.log_tail(name)}")
+            pipeline.check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{left} input messages still unprocessed after {timeout_s:.0f} s")
             time.sleep(1.0)

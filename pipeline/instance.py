@@ -65,7 +65,11 @@ def spark_session(cfg: Config, app_name: str, extra_conf: dict[str, str] | None 
         # Stopping the query interrupts the batch in foreachBatch; Spark recognises the interruption by
         # matching the Python traceback with a regex that recurses once per character, which overflows
         # the default 1 MB thread stack and turns a clean stop into a StackOverflowError.
-        .config("spark.driver.extraJavaOptions", f"-Xss{THREAD_STACK}")
+        # A JVM out of heap exits instead of living on: an OutOfMemoryError in one of Spark's threads
+        # (the task-result getter, collecting a batch with millions of results) leaves the query waiting
+        # forever for a result that never comes, and a hung instance still heart-beats, so the
+        # controller would never recover its pids. Exiting makes it a dead instance (replay recovery).
+        .config("spark.driver.extraJavaOptions", f"-Xss{THREAD_STACK} -XX:+ExitOnOutOfMemoryError")
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", str(cfg.instance.shuffle_partitions))
         .config("spark.sql.execution.arrow.maxRecordsPerBatch", "100000")
@@ -134,6 +138,8 @@ def _incarnation(home: Path) -> str:
 
 def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | None) -> None:
     """Run until SIGINT/SIGTERM; a restart with the same name resumes from the checkpoint."""
+    from py4j.protocol import Py4JError
+
     from pipeline.control import ControlLog, InstanceFollower, wait_for
     from pipeline.sink import Fenced
     from pipeline.topics import check_reachable, ensure_topics
@@ -174,9 +180,14 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     print(f"{name}: running (incarnation {follower.incarnation}), checkpoint {home}", flush=True)
-    while not stopping.is_set() and query.isActive:
-        stopping.wait(0.5)
-    follower.stop()
+    try:
+        while not stopping.is_set() and query.isActive:
+            stopping.wait(0.5)
+    except Py4JError as lost:  # the JVM exited under us: out of heap (see spark_session) or killed
+        print(f"{name}: Spark's JVM is gone ({type(lost).__name__}), exiting", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        follower.stop()  # no heartbeat outlives the query: the controller must see this instance dead
     error = query.exception()
     if error is not None:
         fenced = Fenced.__name__ in str(error)

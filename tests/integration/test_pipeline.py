@@ -203,3 +203,29 @@ def test_malformed_records_go_to_the_dead_letter_topic_with_a_reason(
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
     assert report.malformed == 1
     assert report.exact, report.describe()
+
+
+def test_an_instance_whose_jvm_runs_out_of_heap_exits_instead_of_hanging(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """One key, 6,000 tuples a stream within W: one batch of 36 million results, far more than a 512 MB
+    driver holds. An instance that lived on with a dead Spark thread would never finish the batch and
+    go on heart-beating; it must exit, so that the controller recovers its pids."""
+    cfg = small_config(
+        topic_prefix,
+        "generator.max_tuples=12000",
+        "generator.duration_s=null",
+        "generator.keys={kind: uniform, count: 1}",
+        "instance.driver_memory=512m",
+    )
+    run_generator(cfg, kafka_bootstrap)
+    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
+    try:
+        pipeline.start_instance("instance-0", range(0, 8))
+        code = pipeline.procs["instance-0"].wait(timeout=600)
+    finally:
+        pipeline.stop()
+    log = (tmp_path / "instance-0.log").read_text(errors="replace")
+    assert code != 0
+    assert "Terminating due to java.lang.OutOfMemoryError" in log, pipeline.log_tail("instance-0", 40)
+    assert "Spark's JVM is gone" in log
