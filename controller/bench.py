@@ -658,7 +658,7 @@ def run_skew_bench(
 ) -> dict[str, Any]:
     """Both policies at each rate (ascending), side by side; stops a policy at its first failed rate.
     The defaults are the setting in which static saturates before the machine does: a quarter core per
-    instance, a heavy join per tuple (1 s of keys), and two hot sets of 120 s each (decision 0030)."""
+    instance, a heavy join per tuple (1 s of keys), and two hot sets of 120 s each."""
     from controller.kafka_runtime import broker_unless
 
     run_id, work = new_run(cfg, "skew")
