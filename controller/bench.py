@@ -695,9 +695,13 @@ def run_skew_bench(
 
 
 def against_static(static: dict[str, Any], flux: dict[str, Any]) -> dict[str, Any]:
-    """The issue's two ratios, from the two policies' lines of one run (`skew_summary`): flux's
-    sustainable rate over static's, and static's latency over flux's at static's saturation rate (the
-    lowest rate static did not sustain). A ratio whose points are missing or unfinished is None."""
+    """The issue's two ratios, from the two policies' lines of one run (`skew_summary`).
+
+    Static's saturation rate is the lowest rate it did not sustain. `rate_ratio` is flux's sustainable
+    rate over static's (None when static sustained no rate tried); `rate_ratio_at_least` divides by
+    the saturation rate instead, a lower bound of the true ratio whatever static's limit below it is.
+    The latency ratios are static's over flux's at the saturation rate (None where a point is
+    missing or unfinished)."""
 
     def ratio(num: float | None, den: float | None) -> float | None:
         return round(num / den, 2) if num is not None and den else None
@@ -707,6 +711,7 @@ def against_static(static: dict[str, Any], flux: dict[str, Any]) -> dict[str, An
     at_static, at_flux = static["points"].get(saturation, {}), flux["points"].get(saturation, {})
     return {
         "rate_ratio": ratio(flux["sustainable_rate"], static["sustainable_rate"]),
+        "rate_ratio_at_least": ratio(flux["sustainable_rate"], float(saturation) if saturation else None),
         "static_saturation_rate": float(saturation) if saturation else None,
         "latency_p50_ratio": ratio(at_static.get("latency_p50_s"), at_flux.get("latency_p50_s")),
         "latency_p99_ratio": ratio(at_static.get("latency_p99_s"), at_flux.get("latency_p99_s")),

@@ -71,11 +71,15 @@ def test_flux_is_compared_with_static_at_statics_first_failed_rate() -> None:
     compared = against_static(static, flux)
     assert compared == {
         "rate_ratio": 2.0,
+        "rate_ratio_at_least": 1.5,
         "static_saturation_rate": 4000.0,
         "latency_p50_ratio": round(60 / 9, 2),
         "latency_p99_ratio": 14.0,
     }
     unfinished = skew_summary({3000.0: point(True, 30.0, 100.0), 4000.0: point(False, None, None)}, {})
     assert against_static(unfinished, flux)["latency_p99_ratio"] is None
+    failed_first = against_static(skew_summary({3000.0: point(False, 90.0, 190.0)}, {}), flux)
+    assert failed_first["rate_ratio"] is None and failed_first["rate_ratio_at_least"] == 2.0
+    assert failed_first["static_saturation_rate"] == 3000.0 and failed_first["latency_p99_ratio"] == 9.5
     never_failed = against_static(static | {"points": {"3000": point(True, 30.0, 100.0)}}, flux)
     assert never_failed["static_saturation_rate"] is None and never_failed["latency_p99_ratio"] is None
