@@ -208,12 +208,12 @@ def test_malformed_records_go_to_the_dead_letter_topic_with_a_reason(
 def test_an_instance_whose_jvm_runs_out_of_heap_exits_instead_of_hanging(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
-    """One key, 6,000 tuples a stream within W: one batch of 36 million results, far more than a 512 MB
+    """One key, 4,000 tuples a stream within W: one batch of 16 million results, more than a 512 MB
     driver holds. An instance that lived on with a dead Spark thread would never finish the batch and
     go on heart-beating; it must exit, so that the controller recovers its pids."""
     cfg = small_config(
         topic_prefix,
-        "generator.max_tuples=12000",
+        "generator.max_tuples=8000",
         "generator.duration_s=null",
         "generator.keys={kind: uniform, count: 1}",
         "instance.driver_memory=512m",
