@@ -183,7 +183,7 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
     try:
         while not stopping.is_set() and query.isActive:
             stopping.wait(0.5)
-    except Py4JError as lost:  # the JVM exited under us: out of heap (see spark_session) or killed
+    except (Py4JError, ConnectionError) as lost:  # the JVM exited: out of memory (see spark_session), killed
         print(f"{name}: Spark's JVM is gone ({type(lost).__name__}), exiting", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -205,12 +207,13 @@ def test_malformed_records_go_to_the_dead_letter_topic_with_a_reason(
     assert report.exact, report.describe()
 
 
-def test_an_instance_whose_jvm_runs_out_of_heap_exits_instead_of_hanging(
+def test_an_instance_whose_jvm_runs_out_of_memory_exits_instead_of_hanging(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
     """One key, 4,000 tuples a stream within W: one batch of 16 million results, more than a 512 MB
-    driver holds. An instance that lived on with a dead Spark thread would never finish the batch and
-    go on heart-beating; it must exit, so that the controller recovers its pids."""
+    driver holds. An instance that lived on without its JVM, or with a dead Spark thread, would never
+    finish the batch and would go on heart-beating; it must exit, so that the controller recovers its
+    pids."""
     cfg = small_config(
         topic_prefix,
         "generator.max_tuples=8000",
@@ -226,6 +229,20 @@ def test_an_instance_whose_jvm_runs_out_of_heap_exits_instead_of_hanging(
     finally:
         pipeline.stop()
     log = (tmp_path / "instance-0.log").read_text(errors="replace")
-    assert code != 0
-    assert "Terminating due to java.lang.OutOfMemoryError" in log, pipeline.log_tail("instance-0", 40)
-    assert "Spark's JVM is gone" in log
+    assert code == 1, pipeline.log_tail("instance-0", 40)
+    assert "OutOfMemory" in log and "Spark's JVM is gone" in log, pipeline.log_tail("instance-0", 40)
+
+
+def test_an_instances_jvm_exits_on_any_out_of_memory_error() -> None:
+    """An OutOfMemoryError in a thread without Spark's exit handler (the task-result getter, collecting
+    a batch's results on the heap) leaves the JVM running with the batch unfinished for ever; the
+    instance's JVM must run with the option that ends it on any OutOfMemoryError."""
+    script = (
+        "from pipeline.config import load_config; from pipeline.instance import spark_session; "
+        "spark = spark_session(load_config(None), 'jvm-options'); "
+        "bean = spark.sparkContext._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean(); "
+        "print(list(bean.getInputArguments())); spark.stop()"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "-XX:+ExitOnOutOfMemoryError" in done.stdout
