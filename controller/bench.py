@@ -708,11 +708,12 @@ def against_static(static: dict[str, Any], flux: dict[str, Any]) -> dict[str, An
 
     failed = [rate for rate, p in static["points"].items() if not p["sustained"]]
     saturation = min(failed, key=int) if failed else None
+    saturation_rate = float(saturation) if saturation else None
     at_static, at_flux = static["points"].get(saturation, {}), flux["points"].get(saturation, {})
     return {
         "rate_ratio": ratio(flux["sustainable_rate"], static["sustainable_rate"]),
-        "rate_ratio_at_least": ratio(flux["sustainable_rate"], float(saturation) if saturation else None),
-        "static_saturation_rate": float(saturation) if saturation else None,
+        "rate_ratio_at_least": ratio(flux["sustainable_rate"], saturation_rate),
+        "static_saturation_rate": saturation_rate,
         "latency_p50_ratio": ratio(at_static.get("latency_p50_s"), at_flux.get("latency_p50_s")),
         "latency_p99_ratio": ratio(at_static.get("latency_p99_s"), at_flux.get("latency_p99_s")),
     }

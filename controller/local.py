@@ -130,12 +130,12 @@ class LocalPipeline:
         """Processes that exited with an error (the generator exiting 0 is normal)."""
         return {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
 
-    def check_alive(self, lines: int = 20) -> None:
+    def check_alive(self) -> None:
         """Raise ProcessFailed, with the log's tail, if a process exited with an error."""
         failed = self.failed()
         if failed:
             who, code = next(iter(failed.items()))
-            raise ProcessFailed(f"{who} exited with {code}:\n{self.log_tail(who, lines)}")
+            raise ProcessFailed(f"{who} exited with {code}:\n{self.log_tail(who)}")
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         """The log's last lines, headed by its last root cause (a JVM trace ends far from its cause)."""
