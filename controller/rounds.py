@@ -155,6 +155,44 @@ def cost_per_tuple_s(described: Sequence[dict[str, Any]], fixed_s: float) -> flo
     return max(work, 0.0) / sum(b["tuples_in"] for b in priced)
 
 
+PROGRESS_BATCHES = 2
+"""Newest batches `demand_from_progress` measures over: one slow batch alone reads as an overload."""
+
+
+def demand_from_progress(history: Sequence[dict[str, Any]], owns: set[int]) -> float | None:
+    """Seconds of work per second of input, from the instance's own progress: the newest
+    PROGRESS_BATCHES batches' durations over the event time their input advanced (the newest event
+    time they read, against their predecessors'). None if no batch qualifies.
+
+    A micro-batch reads what arrived while the one before it ran, so an instance that keeps up
+    advances a trigger's worth of input per batch (the ratio is its busy fraction), one that is behind
+    advances as much input as its previous batch took time (the ratio is the growth of its batches,
+    above 1), and one catching up advances more than it takes (below 1). It needs no cost model: in run
+    AC a donor left with five hot pids read demand 0.47-0.78 from its cost per tuple, which was
+    measured on a mix of cheap and costly tuples, while its batches grew from 15 s to 36 s
+    (decision 0032).
+
+    A batch counts only when it read nothing its predecessor did not (not a receiver's first batch
+    of a pid, which reads a backlog) and only pids the instance owns (`owns`; not a release, nor a
+    parallel track's tail, whose pids have left its demand already)."""
+    work = advanced_s = 0.0
+    counted = 0
+    for b, before in reversed(list(zip(history[1:], history[:-1], strict=True))):
+        read = [p for p, s in b["pids"].items() if s["in"] > 0 and s.get("newest_ms", 0) > 0]
+        earlier = {p: s.get("newest_ms", 0) for p, s in before["pids"].items() if s["in"] > 0}
+        if not read or any(p not in earlier or int(p) not in owns for p in read):
+            continue
+        span_ms = max(b["pids"][p]["newest_ms"] for p in read) - max(earlier[p] for p in read)
+        if span_ms <= 0:
+            continue
+        work += b["duration_s"]
+        advanced_s += span_ms / 1000
+        counted += 1
+        if counted == PROGRESS_BATCHES:
+            break
+    return work / advanced_s if advanced_s > 0 else None
+
+
 RATE_SPAN_S = 10.0
 """Least event time a pid's arrival rate is measured over: its newest records that cover this much."""
 
@@ -274,7 +312,8 @@ def snapshot_of(
     A pid's tuples (Flux's N_p) are its arrival rate (`arrival_rates`) over the interval. Without a
     rate (a pid's first record), its instances' counts are scaled to `interval_s` by the periods their
     described batches cover: a loaded instance's one batch may cover a minute while an idle one's
-    cover the interval, and Flux's estimates compare a donor's pid with the receiver's total.
+    cover the interval, and Flux's estimates compare a donor's pid with the receiver's total. Its
+    results (the memory policy's P_o) are its described batches' counts, scaled the same way.
 
     The rates count what instances' batches in flight have read (`readings` of the pipeline's
     `streams`, `in_flight_reading`): a loaded instance's batch lasts long, and a hot set that arrived
@@ -290,6 +329,9 @@ def snapshot_of(
     as soon as the assignment says so, though a parallel track's source still reads its old tuples,
     and joins its new owner's at the cost it had where it was read. A backlog does not count: an
     instance behind its input reads more per batch, not more per second of arrivals (decision 0014).
+    Where the instance's own progress says it needs more (`demand_from_progress`), that counts
+    instead: the cost per tuple is an average, and a hot key's tuple costs many times a cold one's
+    (decision 0032).
     """
     since = now_ms - interval_s * 1000
     history: dict[str, list[dict[str, Any]]] = {i: [] for i in live}
@@ -303,6 +345,7 @@ def snapshot_of(
         history[name].append(b)
     described = {i: described_by(history[i], since) for i in live}
     read: dict[int, dict[str, float]] = {}
+    produced: dict[int, float] = {}
     for i, own in described.items():
         period = _period_s(own)
         per_interval = interval_s / period if period > 0 else 1.0
@@ -310,6 +353,7 @@ def snapshot_of(
             for p, s in b["pids"].items():
                 by = read.setdefault(int(p), {})
                 by[i] = by.get(i, 0.0) + s["in"] * per_interval
+                produced[int(p)] = produced.get(int(p), 0.0) + s.get("results", 0) * per_interval
     reading = {
         i: in_flight_reading(history[i], [r for r in readings if r["instance"] == i], streams) for i in live
     }
@@ -346,6 +390,9 @@ def snapshot_of(
         else:
             per_tuple = cost[owner] or 0.0
         demand[owner] += rates.get(p, 0.0) * per_tuple
+    for i in live:
+        progress = demand_from_progress(history[i], {p for p, o in owned.items() if o == i})
+        demand[i] = max(demand[i], progress or 0.0)
     instances = tuple(
         InstanceStats(
             instance=i,
@@ -359,7 +406,10 @@ def snapshot_of(
     pid_state = {p: v for i in live for p, v in state[i].items() if owned.get(p) == i}
     pids = {
         p: PidStats(
-            pid=p, tuples=round(rates.get(p, 0.0) * interval_s), state_bytes=pid_state.get(p, 0), results=0
+            pid=p,
+            tuples=round(rates.get(p, 0.0) * interval_s),
+            state_bytes=pid_state.get(p, 0),
+            results=round(produced.get(p, 0.0)),
         )
         for p in sorted(set(rates) | set(pid_state))
         if p in owned

@@ -309,10 +309,17 @@ class ExactlyOnceSink:
             # An evenly spaced sample of this batch's sorted latencies, for run-wide percentiles.
             "latency_sample": _sample(latency, 200),
             "pids": {
-                str(p): {"in": int(n), "state_bytes": int(b), "window_tuples": int(w), "newest_ms": int(t)}
-                for p, n, b, w, t in zip(
+                str(p): {
+                    "in": int(n),
+                    "results": int(r),
+                    "state_bytes": int(b),
+                    "window_tuples": int(w),
+                    "newest_ms": int(t),
+                }
+                for p, n, r, b, w, t in zip(
                     columns["pid"][stats],
                     columns["id0"][stats],
+                    columns["id1"][stats],
                     columns["aux"][stats],
                     columns["key"][stats],
                     columns["ts"][stats],

@@ -32,8 +32,8 @@ class InstanceStats:
     its time it needs to keep up with the pids the assignment gives it: their arrival rates times their
     cost per tuple, plus the fixed part. It equals busy_fraction while the instance keeps up and exceeds
     1 when it falls behind, where busy_fraction stops at 1; a backlog being read does not count, and a
-    moved pid counts for its new owner (`controller.rounds.snapshot_of`, decision 0014). None when
-    unknown.
+    moved pid counts for its new owner (`controller.rounds.snapshot_of`, decisions 0014 and 0032).
+    None when unknown.
     """
 
     instance: str

@@ -75,7 +75,7 @@ def test_a_paced_instance_runs_its_batches_a_trigger_apart_and_stays_exact(
     """A 3 s trigger polled every 0.5 s (decision 0027): the source answers the polls between batches
     with its start offset, which must make Spark run no batch then. Every batch must start a trigger
     (less half a poll) after the one before, over a backlog that takes several batches, and the output
-    must be exact."""
+    must be exact. Each batch's metrics count its results per pid (the memory policy's P_o)."""
     cfg = small_config(
         topic_prefix,
         "generator.max_tuples=60000",
@@ -94,6 +94,9 @@ def test_a_paced_instance_runs_its_batches_a_trigger_apart_and_stays_exact(
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
     assert report.expected > 10_000
     assert report.exact, report.describe()
+    per_pid = [sum(s["results"] for s in b["pids"].values()) for b in batches]
+    assert per_pid == [b["results"] for b in batches], "a batch's per-pid result counts add up to its own"
+    assert sum(per_pid) == report.expected
 
 
 def test_three_way_join_is_exact(kafka_bootstrap: str, topic_prefix: str, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from controller.rounds import (
     arrival_rates,
     busy_fraction,
     cost_per_tuple_s,
+    demand_from_progress,
     fixed_cost_s,
     policy_params,
     snapshot_of,
@@ -495,3 +496,56 @@ def test_the_input_tails_rates_count_over_what_a_behind_instance_has_read() -> N
         (s.instances[0].load - fixed) / sum(s.tuples_of(p) for p in (1, 7, 25)) for s in (records, tail)
     ]
     assert per_tuple[0] == pytest.approx(per_tuple[1], rel=0.01), "a's demand is its pids' rates at one cost"
+
+
+def _falling_behind() -> list[dict[str, Any]]:
+    """`a` keeps up with pids 0 and 1 (4 s batches every 8 s), then a hot set arrives: each batch reads
+    what arrived while the one before it ran, and takes longer than that (20, 27, 36 s)."""
+    return [
+        _batch("a", 92, 4.0, 8.0, {0: 80, 1: 80}),
+        _batch("a", 100, 4.0, 8.0, {0: 80, 1: 80}),
+        _batch("a", 120, 20.0, 20.0, {0: 1600, 1: 100}),
+        _batch("a", 147, 27.0, 27.0, {0: 2000, 1: 135}),
+        _batch("a", 183, 36.0, 36.0, {0: 2700, 1: 180}),
+    ]
+
+
+def test_an_instances_demand_from_its_progress_is_its_batch_time_per_second_of_input() -> None:
+    behind = _falling_behind()
+    # The newest two batches took 27 + 36 s for the 20 + 27 s of input their predecessors ran over.
+    assert demand_from_progress(behind, {0, 1}) == pytest.approx(63 / 47)
+    assert demand_from_progress(behind[:2], {0, 1}) == pytest.approx(0.5), "keeping up: its busy fraction"
+    catching_up = [*behind, _batch("a", 203, 20.0, 20.0, {0: 2700, 1: 180})]
+    assert demand_from_progress(catching_up, {0, 1}) == pytest.approx(56 / 63), "less work than input"
+    assert demand_from_progress(behind, {0}) is None, "batches that read a pid it no longer owns"
+    assert demand_from_progress(behind[:1], {0, 1}) is None, "no predecessor"
+    received = [*behind[:2], _batch("a", 108, 4.0, 8.0, {0: 80, 1: 80, 2: 900})]
+    owns = {0, 1, 2}
+    assert demand_from_progress(received, owns) == pytest.approx(0.5), "a new pid's backlog is not demand"
+    slow = [*behind[:2], _batch("a", 116, 12.0, 16.0, {0: 80, 1: 80})]
+    assert demand_from_progress(slow, {0, 1}) == pytest.approx(1.0), "one slow batch is averaged"
+
+
+def test_a_snapshot_takes_the_larger_of_the_modelled_and_the_progress_demand() -> None:
+    """Whatever makes the cost model read `a` low (here an input tail that says pid 0 arrives at 10
+    tuples/s), its batches growing from 20 s to 36 s say it needs 1.34 of its time, and flux makes it
+    the donor."""
+    batches = [*_falling_behind(), *(_batch("b", t, 4.0, 8.0, {2: 80, 3: 80}) for t in (164, 172, 180))]
+    snap = snapshot_of(
+        batches, ["a", "b"], ASSIGNMENT, frozenset(), 183_000, 16.0, 183.0, None, arrivals={0: 10.0, 1: 1.0}
+    )
+    load = {i.instance: i.load for i in snap.instances}
+    assert load == pytest.approx({"a": 63 / 47, "b": 0.5})
+    params = policy_params("flux", HandoffMode.TRANSFER, donor_cost=True)
+    assert [m.source for m in POLICIES["flux"].decide(snap, params).moves] == ["a"]
+
+
+def test_a_snapshot_carries_each_pids_results_for_the_memory_policy() -> None:
+    """The memory policy keeps the most productive pids (results over state); a snapshot that counted
+    none would leave it ordering pids by number."""
+    batches = [_batch("a", t, 2.0, 8.0, {0: 100, 1: 100}) for t in (8, 16)]
+    for b, results in zip(batches, (300, 500), strict=True):
+        b["pids"]["0"]["results"] = results
+        b["pids"]["1"]["results"] = 10
+    snap = snapshot_of(batches, ["a", "b"], ASSIGNMENT, frozenset(), 16_000, 16.0, 16.0, None)
+    assert {p: s.results for p, s in snap.pids.items()} == {0: 800, 1: 20}
