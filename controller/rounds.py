@@ -390,15 +390,16 @@ def snapshot_of(
         else:
             per_tuple = cost[owner] or 0.0
         demand[owner] += rates.get(p, 0.0) * per_tuple
+    progress = {i: demand_from_progress(history[i], {p for p, o in owned.items() if o == i}) for i in live}
     for i in live:
-        progress = demand_from_progress(history[i], {p for p, o in owned.items() if o == i})
-        demand[i] = max(demand[i], progress or 0.0)
+        demand[i] = max(demand[i], progress[i] or 0.0)
     instances = tuple(
         InstanceStats(
             instance=i,
             busy_fraction=busy[i][0],
             fixed_busy=busy[i][1],
             demand=demand[i],
+            progress=progress[i],
             state_bytes=sum(v for p, v in state[i].items() if owned.get(p) == i),
         )
         for i in sorted(live)

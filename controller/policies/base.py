@@ -42,6 +42,9 @@ class InstanceStats:
     memory_limit_bytes: int = 0
     fixed_busy: float = 0.0
     demand: float | None = None
+    progress: float | None = None
+    """The demand its own progress shows, one of the two figures `demand` is the larger of (decision
+    0032); kept so that a round's log line says which one decided. None when not measured."""
 
     @property
     def load(self) -> float:
@@ -131,16 +134,17 @@ class Snapshot:
         return sum(self.tuples_of(p) for p in self.assignment.pids_of(instance))
 
     def describe(self, largest: int = 3) -> str:
-        """What a round read, one clause per instance: U, busy fraction, fixed part, T_j over the
-        interval and its `largest` pids by N_pid. A log line of it lets a round's choice be checked
-        against its inputs afterwards."""
+        """What a round read, one clause per instance: U (and the progress figure, when measured),
+        busy fraction, fixed part, T_j over the interval and its `largest` pids by N_pid. A log line
+        of it lets a round's choice be checked against its inputs afterwards."""
         clauses = []
         for s in self.instances:
             own = sorted(self.assignment.pids_of(s.instance), key=lambda p: (-self.tuples_of(p), p))
             tops = ", ".join(f"{p}:{self.tuples_of(p)}" for p in own[:largest])
+            progress = f" progress {s.progress:.3f}" if s.progress is not None else ""
             clauses.append(
-                f"{s.instance} U {s.load:.3f} busy {s.busy_fraction:.3f} fixed {s.fixed_busy:.3f} "
-                f"T {self.tuples_on(s.instance)} [{tops}]"
+                f"{s.instance} U {s.load:.3f}{progress} busy {s.busy_fraction:.3f} "
+                f"fixed {s.fixed_busy:.3f} T {self.tuples_on(s.instance)} [{tops}]"
             )
         return f"over {self.interval_s:g} s: " + "; ".join(clauses)
 

@@ -66,7 +66,7 @@ def test_a_snapshot_describes_each_instances_inputs_and_largest_pids() -> None:
     snapshot = Snapshot(
         now_s=0.0,
         instances=(
-            InstanceStats("a", 0.5, 0, fixed_busy=0.2, demand=0.75),
+            InstanceStats("a", 0.5, 0, fixed_busy=0.2, demand=0.75, progress=0.75),
             InstanceStats("b", 0.25, 0),
         ),
         pids={0: PidStats(0, 10, 0, 0), 1: PidStats(1, 300, 0, 0), 2: PidStats(2, 5, 0, 0)},
@@ -74,6 +74,6 @@ def test_a_snapshot_describes_each_instances_inputs_and_largest_pids() -> None:
         interval_s=14.0,
     )
     assert snapshot.describe(largest=1) == (
-        "over 14 s: a U 0.750 busy 0.500 fixed 0.200 T 310 [1:300]; "
+        "over 14 s: a U 0.750 progress 0.750 busy 0.500 fixed 0.200 T 310 [1:300]; "
         "b U 0.250 busy 0.250 fixed 0.000 T 5 [2:5]"
     )

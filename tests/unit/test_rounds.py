@@ -536,6 +536,7 @@ def test_a_snapshot_takes_the_larger_of_the_modelled_and_the_progress_demand() -
     )
     load = {i.instance: i.load for i in snap.instances}
     assert load == pytest.approx({"a": 63 / 47, "b": 0.5})
+    assert snap.instances[0].progress == pytest.approx(63 / 47), "the log can tell which figure decided"
     params = policy_params("flux", HandoffMode.TRANSFER, donor_cost=True)
     assert [m.source for m in POLICIES["flux"].decide(snap, params).moves] == ["a"]
 
