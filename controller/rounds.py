@@ -168,9 +168,8 @@ def demand_from_progress(history: Sequence[dict[str, Any]], owns: set[int]) -> f
     advances a trigger's worth of input per batch (the ratio is its busy fraction), one that is behind
     advances as much input as its previous batch took time (the ratio is the growth of its batches,
     above 1), and one catching up advances more than it takes (below 1). It needs no cost model: in run
-    AC a donor left with five hot pids read demand 0.47-0.78 from its cost per tuple, which was
-    measured on a mix of cheap and costly tuples, while its batches grew from 15 s to 36 s
-    (decision 0032).
+    AC a donor left with five hot pids read a modelled demand of 0.47-0.78 while its batches grew from
+    15 s to 36 s (decision 0032).
 
     A batch counts only when it read nothing its predecessor did not (not a receiver's first batch
     of a pid, which reads a backlog) and only pids the instance owns (`owns`; not a release, nor a
