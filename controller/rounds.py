@@ -174,14 +174,19 @@ def demand_from_progress(history: Sequence[dict[str, Any]], owns: set[int]) -> f
     A batch counts only when it read nothing its predecessor did not (not a receiver's first batch
     of a pid, which reads a backlog) and only pids the instance owns (`owns`; not a release, nor a
     parallel track's tail, whose pids have left its demand already)."""
+
+    def newest_read(batch: dict[str, Any]) -> dict[str, int]:
+        return {
+            p: s["newest_ms"] for p, s in batch["pids"].items() if s["in"] > 0 and s.get("newest_ms", 0) > 0
+        }
+
     work = advanced_s = 0.0
     counted = 0
     for b, before in reversed(list(zip(history[1:], history[:-1], strict=True))):
-        read = [p for p, s in b["pids"].items() if s["in"] > 0 and s.get("newest_ms", 0) > 0]
-        earlier = {p: s.get("newest_ms", 0) for p, s in before["pids"].items() if s["in"] > 0}
+        read, earlier = newest_read(b), newest_read(before)
         if not read or any(p not in earlier or int(p) not in owns for p in read):
             continue
-        span_ms = max(b["pids"][p]["newest_ms"] for p in read) - max(earlier[p] for p in read)
+        span_ms = max(read.values()) - max(earlier[p] for p in read)
         if span_ms <= 0:
             continue
         work += b["duration_s"]
@@ -389,7 +394,7 @@ def snapshot_of(
         else:
             per_tuple = cost[owner] or 0.0
         demand[owner] += rates.get(p, 0.0) * per_tuple
-    progress = {i: demand_from_progress(history[i], {p for p, o in owned.items() if o == i}) for i in live}
+    progress = {i: demand_from_progress(history[i], set(assignment.pids_of(i))) for i in live}
     for i in live:
         demand[i] = max(demand[i], progress[i] or 0.0)
     instances = tuple(
