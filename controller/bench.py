@@ -497,7 +497,7 @@ def skew_config(
                 "even_s": even_s,
             },
             "instance.spark_master": "local[1]",
-            "instance.shuffle_partitions": 2,
+            "instance.shuffle_partitions": 1,
             "instance.trigger_ms": trigger_ms,
             "instance.cpu_limit": cpu,
         },
@@ -754,7 +754,7 @@ def move_cost_config(base: Config, pipeline: str, window_ms: int, rate: float, s
             "generator.rate": {"kind": "constant", "rate": per_stream},
             "generator.keys": {"kind": "uniform", "count": max(256, int(per_stream * window_ms / 1000))},
             "instance.spark_master": "local[1]",
-            "instance.shuffle_partitions": 2,
+            "instance.shuffle_partitions": 1,
             "instance.trigger_ms": 500,
         },
     )

@@ -32,7 +32,7 @@ DEMO_DEFAULTS = [
     "generator.mode=real_time",
     "instance.trigger_ms=2000",
     "instance.spark_master=local[1]",
-    "instance.shuffle_partitions=2",
+    "instance.shuffle_partitions=1",
 ]
 
 

@@ -57,7 +57,7 @@ def soak_config(base: Config, pipeline: str, seconds: float) -> Config:
             "instance.trigger_ms": 200,
             "instance.max_rows_per_batch": 20000,
             "instance.spark_master": "local[1]",
-            "instance.shuffle_partitions": 2,
+            "instance.shuffle_partitions": 1,
         },
     )
 

@@ -151,8 +151,9 @@ class InstanceConfig(_Strict):
     # still start a trigger apart, but one that releases or takes over a pid starts within poll_ms.
     poll_ms: int = Field(1000, ge=1)
     max_rows_per_batch: int = Field(200_000, ge=1000)
-    # One shuffle partition per core of `spark_master`: the stateful stage runs in one wave, and each
-    # partition is a state store to load and commit every batch (4 vs 2 on local[2]: measured slower).
+    # One shuffle partition per core of `spark_master`, and as many source read tasks: each stage runs
+    # in one wave, and every task is a Python worker round trip, every partition a state store to load
+    # and commit each batch (4 vs 2 on local[2], and 2 vs 1 on local[1]: measured slower; decision 0033).
     shuffle_partitions: int = Field(2, ge=1)
     spark_master: str = "local[2]"
     driver_memory: str = "1g"

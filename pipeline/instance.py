@@ -69,7 +69,12 @@ def spark_session(cfg: Config, app_name: str, extra_conf: dict[str, str] | None 
         # (the task-result getter, collecting a batch with millions of results) leaves the query waiting
         # forever for a result that never comes, and a hung instance still heart-beats, so the
         # controller would never recover its pids. Exiting makes it a dead instance (replay recovery).
-        .config("spark.driver.extraJavaOptions", f"-Xss{THREAD_STACK} -XX:+ExitOnOutOfMemoryError")
+        # C1 only (decision 0011): tiered compilation's C2 kept optimising Spark's planner long after
+        # start-up, on a budget of a fraction of a core, and C2-compiled code was no faster per batch.
+        .config(
+            "spark.driver.extraJavaOptions",
+            f"-Xss{THREAD_STACK} -XX:+ExitOnOutOfMemoryError -XX:TieredStopAtLevel=1",
+        )
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", str(cfg.instance.shuffle_partitions))
         .config("spark.sql.execution.arrow.maxRecordsPerBatch", "100000")
@@ -99,7 +104,7 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
         .option("assignment", str((home / "assignment.json").resolve()))
         .option("partitions", str(cfg.partitions))
         .option("max_rows", str(cfg.instance.max_rows_per_batch))
-        .option("tasks", "2")
+        .option("tasks", str(cfg.instance.shuffle_partitions))
         .option("window_ms", str(cfg.window_ms))
         .option("lateness_ms", str(cfg.allowed_lateness_ms))
         .option("trigger_ms", str(cfg.instance.trigger_ms))

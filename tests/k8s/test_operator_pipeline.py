@@ -92,7 +92,7 @@ def test_kubectl_scale_moves_pids_between_live_instances_and_the_output_stays_ex
         instance={
             "triggerMs": 200,
             "sparkMaster": "local[1]",
-            "shufflePartitions": 2,
+            "shufflePartitions": 1,
             "maxRowsPerBatch": 20000,
         },
     )
