@@ -472,6 +472,10 @@ def skew_config(
     them at one trigger's worth of input was tried: every batch pays the fixed cost, and static's
     drain at 2,000 tuples/s went from 70 s to 102 s (one run each), so there is no cap.
 
+    Each instance's JVM has a 2 GB heap: a loaded instance's batch collects millions of results at once
+    (a 1 GB heap ran out on static's hot instance at 3,000 tuples/s once its batches ran as one task,
+    decision 0033).
+
     The hot pids are contiguous, so under the static layout (contiguous pid ranges) they load one or
     two instances: with scattered hot pids each of 4 instances holds about its share of them, and the
     static layout is balanced by construction."""
@@ -498,6 +502,7 @@ def skew_config(
             },
             "instance.spark_master": "local[1]",
             "instance.shuffle_partitions": 1,
+            "instance.driver_memory": "2g",
             "instance.trigger_ms": trigger_ms,
             "instance.cpu_limit": cpu,
         },
