@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from confluent_kafka import Producer
@@ -38,6 +39,17 @@ def small_config(prefix: str, *extra: str) -> Config:
             *extra,
         ],
     )
+
+
+def wait_until(
+    pipeline: LocalPipeline, ok: Callable[[], bool], timeout_s: float, what: str, poll_s: float
+) -> None:
+    """Poll `ok` until it holds; fail with `what` after `timeout_s`, or at once if a process crashed."""
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, what
+        assert not pipeline.failed(), pipeline.failed()
+        time.sleep(poll_s)
 
 
 def drain_with_one_instance(cfg: Config, bootstrap: str, work: Path) -> LocalPipeline:
@@ -133,13 +145,15 @@ def test_kill_minus_nine_and_restart_stays_exact(
         pipeline.start_instance("instance-0", range(0, 4))
         pipeline.start_instance("instance-1", range(4, 8))
         pipeline.start_generator()
-        deadline = time.monotonic() + 180
-        while not any(
-            k[1] < 4 and v > 0 for k, v in committed_offsets(pipeline.cfg, kafka_bootstrap).items()
-        ):
-            assert time.monotonic() < deadline, "instance-0 never committed a batch"
-            assert not pipeline.failed(), pipeline.failed()
-            time.sleep(1)
+        wait_until(
+            pipeline,
+            lambda: any(
+                k[1] < 4 and v > 0 for k, v in committed_offsets(pipeline.cfg, kafka_bootstrap).items()
+            ),
+            180,
+            "instance-0 never committed a batch",
+            poll_s=1,
+        )
         time.sleep(3)
         pipeline.kill("instance-0", signal.SIGKILL)
         time.sleep(3)
@@ -176,22 +190,20 @@ def test_a_batch_in_kafka_but_not_in_the_commit_log_runs_again_without_output(
         pipeline.wait_running(["instance-0"])
         pipeline.start_generator()
         time.sleep(12)  # into the generator's quiet phase
-        deadline = time.monotonic() + 60
-        while not (backlog(pipeline.cfg, kafka_bootstrap) == 0 and newest(commits) == newest(offsets) >= 0):
-            assert time.monotonic() < deadline, "instance-0 never went idle in the quiet phase"
-            assert not pipeline.failed(), pipeline.failed()
-            time.sleep(0.5)
+        wait_until(
+            pipeline,
+            lambda: backlog(pipeline.cfg, kafka_bootstrap) == 0 and newest(commits) == newest(offsets) >= 0,
+            60,
+            "instance-0 never went idle in the quiet phase",
+            poll_s=0.5,
+        )
         pipeline.kill("instance-0", signal.SIGKILL)
         last = newest(commits)
         for entry in (str(last), f".{last}.crc"):
             (commits / entry).unlink()
         pipeline.start_instance("instance-0", range(0, 8))
         # Looked for as soon as it is due: the commit log keeps only the newest batches.
-        deadline = time.monotonic() + 120
-        while not (commits / str(last)).exists():
-            assert time.monotonic() < deadline, "the batch was not run again"
-            assert not pipeline.failed(), pipeline.failed()
-            time.sleep(0.2)
+        wait_until(pipeline, (commits / str(last)).exists, 120, "the batch was not run again", poll_s=0.2)
         assert pipeline.procs["generator"].wait(120) == 0, pipeline.log_tail("generator")
         wait_drained(pipeline, timeout_s=300)
     finally:
