@@ -744,7 +744,8 @@ def skew_summary(by_rate: dict[float, dict[str, Any]], setting: dict[str, Any]) 
 
 
 def move_cost_config(base: Config, pipeline: str, window_ms: int, rate: float, seconds: float) -> Config:
-    """2-way, P = 16, 2 instances; keys sized for about one result per input tuple at this window."""
+    """2-way, P = 16, 2 instances; keys sized for about one result per input tuple at this window.
+    Polled every 0.1 s: a move's step starts at the next poll, not at the next trigger (decision 0027)."""
     per_stream = rate / 2
     return base.with_overrides(
         pipeline=pipeline,
@@ -761,6 +762,7 @@ def move_cost_config(base: Config, pipeline: str, window_ms: int, rate: float, s
             "instance.spark_master": "local[1]",
             "instance.shuffle_partitions": 1,
             "instance.trigger_ms": 500,
+            "instance.poll_ms": 100,
         },
     )
 

@@ -312,9 +312,10 @@ class Observer:
             start = partition_offsets(admin, metrics)[metrics[0]]
         self._consumer.assign([TopicPartition(cfg.metrics_topic, 0, start)])
 
-    def poll(self) -> None:
+    def poll(self, wait_s: float = 0.0) -> None:
+        """Take in what has arrived, waiting up to `wait_s` for it (a controller step does not wait)."""
         now_ms = time.time() * 1000
-        for msg in self._consumer.consume(num_messages=10_000, timeout=0.05):
+        for msg in self._consumer.consume(num_messages=10_000, timeout=wait_s):
             if msg.error() is not None or msg.value() is None:
                 continue
             record = json.loads(msg.value() or b"{}")

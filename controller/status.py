@@ -29,7 +29,7 @@ def describe_status(cfg: Config, bootstrap: str, listen_s: float = 3.0) -> str:
     observer = Observer(cfg, bootstrap, heartbeat_timeout_s=10.0, clock=time.monotonic)
     deadline = time.monotonic() + listen_s
     while time.monotonic() < deadline:
-        observer.poll()
+        observer.poll(wait_s=0.2)
     observer.poll()
     live = observer.liveness().live
     now_ms = time.time() * 1000

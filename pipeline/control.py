@@ -53,7 +53,9 @@ class ControlLog:
             while self._next < high:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"control log not readable up to offset {high}")
-                for msg in self._consumer.consume(num_messages=1000, timeout=0.2):
+                # A short wait: consume returns early only with all the messages asked for, and the
+                # transaction markers among the offsets below `high` are never delivered.
+                for msg in self._consumer.consume(num_messages=1000, timeout=0.01):
                     if msg.error() is not None:
                         continue
                     self._next = (msg.offset() or 0) + 1
@@ -131,7 +133,7 @@ class InstanceFollower:
     def start(self) -> None:
         self._thread.start()
 
-    def _run(self, period_s: float = 0.2, beat_every_s: float = 1.0) -> None:
+    def _run(self, period_s: float = 0.1, beat_every_s: float = 1.0) -> None:
         last_beat = 0.0
         while not self._stop.is_set():
             try:

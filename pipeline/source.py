@@ -496,31 +496,46 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         """Offsets from which re-reading the input rebuilds the window the previous owner had at the
         cutoff: the newest event time before the cutoff, minus W and twice the allowed lateness
         (message timestamps are their first event time; the install purges what is too old)."""
-        from confluent_kafka import Consumer, TopicPartition
+        from confluent_kafka import TopicPartition
 
-        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "fluxjoin-unused"})
-        try:
-            newest = None
-            for topic, stream in zip(self.topics, self.streams, strict=True):
-                if cutoff[stream] == 0:
+        consumer = self._probe()
+        before = {t: cutoff[s] - 1 for t, s in zip(self.topics, self.streams, strict=True) if cutoff[s] > 0}
+        consumer.assign([TopicPartition(t, pid, o) for t, o in before.items()])
+        newest = None
+        deadline = time.monotonic() + 30
+        while before and time.monotonic() < deadline:
+            for msg in consumer.consume(num_messages=len(before), timeout=1):
+                topic = msg.topic() or ""
+                if msg.error() is not None or topic not in before:
                     continue
-                consumer.assign([TopicPartition(topic, pid, cutoff[stream] - 1)])
-                for msg in consumer.consume(num_messages=1, timeout=30):
-                    if msg.error() is None and (msg.offset() or 0) < cutoff[stream]:
-                        ts = msg.timestamp()[1]
-                        newest = ts if newest is None else max(newest, ts)
-            if newest is None:
-                return dict(cutoff)
-            target = newest - self.reach_back_ms
-            found = consumer.offsets_for_times([TopicPartition(t, pid, target) for t in self.topics], 30)
-            by_topic = {tp.topic: tp.offset for tp in found}
-        finally:
-            consumer.close()
+                if (msg.offset() or 0) <= before.pop(topic):  # not a transaction marker's successor
+                    ts = msg.timestamp()[1]
+                    newest = ts if newest is None else max(newest, ts)
+        consumer.unassign()
+        if newest is None:
+            return dict(cutoff)
+        target = newest - self.reach_back_ms
+        found = consumer.offsets_for_times([TopicPartition(t, pid, target) for t in self.topics], 30)
+        by_topic = {tp.topic: tp.offset for tp in found}
         out = {}
         for topic, stream in zip(self.topics, self.streams, strict=True):
             offset = by_topic[topic]
             out[stream] = cutoff[stream] if offset < 0 else min(offset, cutoff[stream])
         return out
+
+    def _probe(self) -> Any:
+        """The reader's consumer of single messages: a sample's size, the newest tuple before a replay's
+        cutoff (`BOUNDED_READ`: each had cost half a second or more)."""
+        from confluent_kafka import Consumer
+
+        from pipeline.topics import BOUNDED_READ
+
+        if self._consumer is None:
+            self._consumer = Consumer(
+                {"bootstrap.servers": self.bootstrap, "group.id": "fluxjoin-unused"} | BOUNDED_READ
+            )
+            self._consumer.list_topics(timeout=10)  # connected and knowing the leaders before it is needed
+        return self._consumer
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         owned = read_assignment(self.assignment_path)
@@ -535,6 +550,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         if owned.epoch == start["epoch"]:
             end, next_pid = self._read_up_to(start["offsets"], limit, int(start.get("next_pid", 0)))
             return {"epoch": owned.epoch, "tracking": start.get("tracking", {}), "offsets": end} | next_pid
+        if start["epoch"] == -1:
+            self._probe()  # a fresh consumer's first read took a second, once: a replay's pause
         plan = self._change_epoch(start, owned)
         held: Offsets = plan["offsets"]
         leaving = self._read_to_cutoff(start, plan["released"])
@@ -590,7 +607,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return self._per_message
 
     def _sample_tuples_per_message(self, start: Offsets, latest: Offsets, samples: int) -> float:
-        from confluent_kafka import Consumer, TopicPartition
+        from confluent_kafka import TopicPartition
 
         from pipeline.codec import MalformedRecord, tuple_count
 
@@ -604,19 +621,19 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             ),
             reverse=True,
         )[:samples]
-        if self._consumer is None:
-            self._consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "fluxjoin-unused"})
+        consumer = self._probe()
         counts = []
         for _, s, p in largest:
             middle = (start[s][p] + latest[s][p]) // 2
-            self._consumer.assign([TopicPartition(topic_of[s], int(p), middle)])
-            for msg in self._consumer.consume(num_messages=1, timeout=5):
+            consumer.assign([TopicPartition(topic_of[s], int(p), middle)])
+            for msg in consumer.consume(num_messages=1, timeout=5):
                 value = msg.value() if msg.error() is None else None
                 if value is not None:
                     try:
                         counts.append(tuple_count(value))
                     except MalformedRecord:
                         continue
+        consumer.unassign()  # an assigned consumer would go on fetching
         return max(1.0, sum(counts) / len(counts)) if counts else 1.0
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -777,8 +794,11 @@ def read_snapshot(bootstrap: str, snapshot: Snapshot) -> bytes:
 
     from confluent_kafka import Consumer, TopicPartition
 
+    from pipeline.topics import BOUNDED_READ
+
     consumer = Consumer(
         {"bootstrap.servers": bootstrap, "group.id": "fluxjoin-unused", "isolation.level": "read_committed"}
+        | BOUNDED_READ
     )
     chunks = []
     try:
@@ -820,6 +840,8 @@ _CONSUMERS: dict[str, Any] = {}
 def _range_consumer(bootstrap: str) -> Any:
     from confluent_kafka import Consumer
 
+    from pipeline.topics import BOUNDED_READ
+
     consumer = _CONSUMERS.get(bootstrap)
     if consumer is None:
         consumer = Consumer(
@@ -832,6 +854,7 @@ def _range_consumer(bootstrap: str) -> Any:
                 "fetch.max.bytes": 64 * 1024 * 1024,
                 "max.partition.fetch.bytes": 16 * 1024 * 1024,
             }
+            | BOUNDED_READ
         )
         _CONSUMERS[bootstrap] = consumer
     return consumer

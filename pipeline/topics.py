@@ -30,6 +30,14 @@ VISIBLE_TIMEOUT_S = 60.0
 """How long created topics may take to show in metadata: a broker that has just restarted over many
 partitions accepts a creation at once but was measured taking 11 s to show it."""
 
+BOUNDED_READ = {"fetch.wait.max.ms": 10}
+"""Consumer settings for reading offsets known to exist (a range below the end, one message). A fetch
+that finds nothing new waits at the broker for up to `fetch.wait.max.ms` (500 ms by default), and the
+broker answers a connection's requests in order: the next assignment's first fetch, or an
+`offsets_for_times`, waited behind it. Measured on a local broker: reading a 20-message range at the
+end of a partition every 0.1 s took 0.40 s per read with the default, 3 ms with this; a replay's reach
+(two single messages and one `offsets_for_times`) 1.0 s and 15 ms."""
+
 # librdkafka's own log lines (e.g. a connection refused every 50 ms while a broker is down) go to
 # this logger instead of straight to stderr: an application that configures logging sees them, a
 # command line tool shows the one clear error raised here instead.
@@ -208,6 +216,7 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 120.0) -> Iterator
             "isolation.level": "read_committed",
             "fetch.max.bytes": 64 * 1024 * 1024,
         }
+        | BOUNDED_READ
     )
     try:
         meta = consumer.list_topics(topic, timeout=30).topics[topic]

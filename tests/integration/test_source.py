@@ -217,3 +217,27 @@ def test_a_paced_source_plans_a_trigger_apart_or_at_once_for_a_move_step(
     moving = plan(owning, OwnedPids(epoch=2, pids=frozenset({0}), releasing={1: out}))
     assert moving["epoch"] == 2 and moving["released"]["1"]["move_id"] == "m-out"
     assert moving["released"]["1"]["cutoff"] == {"A": 40, "B": 40}
+
+
+def test_a_replay_reaches_back_a_window_from_the_newest_tuple_before_the_cutoff(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """A replay re-reads from the newest event time before the cutoff (of either stream) minus W and twice
+    the lateness: message i of pid 1 is stamped 100 ms after message i - 1, W = 1 s, lateness 0, cutoffs
+    30 (A) and 20 (B): the newest stamp is message 29's, so both streams start at message 19, or at the
+    cutoff when that is earlier. The reader's one probe consumer answers again, the same, when reused."""
+    cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
+    ensure_topics(cfg, kafka_bootstrap)
+    base = 1_700_000_000_000
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for i in range(40):
+        for stream in ("A", "B"):
+            producer.produce(cfg.input_topic(stream), b"x", partition=1, timestamp=base + 100 * i)
+    assert producer.flush(30) == 0
+    reader, _ = _planner(cfg, kafka_bootstrap, tmp_path, window_ms="1000", lateness_ms="0")
+    try:
+        assert reader._replay_from(1, {"A": 30, "B": 20}) == {"A": 19, "B": 19}
+        assert reader._replay_from(1, {"A": 30, "B": 15}) == {"A": 19, "B": 15}
+        assert reader._replay_from(1, {"A": 5, "B": 0}) == {"A": 0, "B": 0}
+    finally:
+        reader.stop()
