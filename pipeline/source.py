@@ -508,7 +508,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 topic = msg.topic() or ""
                 if msg.error() is not None or topic not in before:
                     continue
-                if (msg.offset() or 0) <= before.pop(topic):  # not a transaction marker's successor
+                if (msg.offset() or 0) <= before.pop(topic):  # past it: the offset held a marker
                     ts = msg.timestamp()[1]
                     newest = ts if newest is None else max(newest, ts)
         consumer.unassign()
@@ -551,7 +551,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             end, next_pid = self._read_up_to(start["offsets"], limit, int(start.get("next_pid", 0)))
             return {"epoch": owned.epoch, "tracking": start.get("tracking", {}), "offsets": end} | next_pid
         if start["epoch"] == -1:
-            self._probe()  # a fresh consumer's first read took a second, once: a replay's pause
+            self._probe()  # connected before a replay needs it: a fresh one's first read took 1 s
         plan = self._change_epoch(start, owned)
         held: Offsets = plan["offsets"]
         leaving = self._read_to_cutoff(start, plan["released"])
