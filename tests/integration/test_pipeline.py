@@ -16,6 +16,7 @@ from confluent_kafka import Producer
 from controller.local import LocalPipeline, backlog, committed_offsets, wait_drained
 from generator.producer import run_generator
 from pipeline.config import Config, load_config
+from pipeline.control import wait_for
 from pipeline.oracle import read_topic, verify_pipeline
 
 
@@ -44,12 +45,15 @@ def small_config(prefix: str, *extra: str) -> Config:
 def wait_until(
     pipeline: LocalPipeline, ok: Callable[[], bool], timeout_s: float, what: str, poll_s: float
 ) -> None:
-    """Poll `ok` until it holds; fail with `what` after `timeout_s`, or at once if a process crashed."""
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        assert time.monotonic() < deadline, what
-        assert not pipeline.failed(), pipeline.failed()
-        time.sleep(poll_s)
+    """`wait_for` that fails at once, with the log's tail, if a process of the pipeline crashed."""
+
+    def ok_while_alive() -> bool:
+        if ok():
+            return True
+        pipeline.check_alive()
+        return False
+
+    wait_for(ok_while_alive, timeout_s, what, poll_s)
 
 
 def drain_with_one_instance(cfg: Config, bootstrap: str, work: Path) -> LocalPipeline:
@@ -151,7 +155,7 @@ def test_kill_minus_nine_and_restart_stays_exact(
                 k[1] < 4 and v > 0 for k, v in committed_offsets(pipeline.cfg, kafka_bootstrap).items()
             ),
             180,
-            "instance-0 never committed a batch",
+            "instance-0's first committed batch",
             poll_s=1,
         )
         time.sleep(3)
@@ -194,7 +198,7 @@ def test_a_batch_in_kafka_but_not_in_the_commit_log_runs_again_without_output(
             pipeline,
             lambda: backlog(pipeline.cfg, kafka_bootstrap) == 0 and newest(commits) == newest(offsets) >= 0,
             60,
-            "instance-0 never went idle in the quiet phase",
+            "instance-0 to go idle in the quiet phase",
             poll_s=0.5,
         )
         pipeline.kill("instance-0", signal.SIGKILL)
@@ -203,7 +207,7 @@ def test_a_batch_in_kafka_but_not_in_the_commit_log_runs_again_without_output(
             (commits / entry).unlink()
         pipeline.start_instance("instance-0", range(0, 8))
         # Looked for as soon as it is due: the commit log keeps only the newest batches.
-        wait_until(pipeline, (commits / str(last)).exists, 120, "the batch was not run again", poll_s=0.2)
+        wait_until(pipeline, (commits / str(last)).exists, 120, "the batch to run again", poll_s=0.2)
         assert pipeline.procs["generator"].wait(120) == 0, pipeline.log_tail("generator")
         wait_drained(pipeline, timeout_s=300)
     finally:
