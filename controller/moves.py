@@ -7,7 +7,8 @@ a controller killed in the middle of a move continues it after a restart, and ru
 publishes nothing new. `KafkaPidMover` wraps it with the Kafka reads and writes.
 
 Per move: (1) the pid goes in transit (no owner, `moving`), (2) once the source's `Released` is in the
-log it goes to the target with a `Handoff` (cutoff, snapshot), (3) once the target's `Acquired` is in the
+log (a replay's as soon as the source has planned the batch that releases it) it goes to the target with
+a `Handoff` (cutoff, snapshot), (3) once the target's `Acquired` is in the
 log the handoff is dropped. A `parallel_track` move also lists the pid in `tracks` from step (2) until
 the source's `TrackDone` (its old tuples expired); no other move of the pid starts meanwhile. Dead
 instances (no heartbeat for the timeout) lose their pids to live ones by `replay` from their last
@@ -94,6 +95,8 @@ def plan_step(
                 cutoff=released.cutoff,
                 snapshot=released.snapshot,
                 watermark=released.watermark,
+                since=released.since if released.gap else None,
+                pending=released.gap,
             )
             if m.mode is Mode.PARALLEL_TRACK:
                 tracks[p] = m

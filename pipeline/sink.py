@@ -42,6 +42,7 @@ from pipeline.join import Part, WindowState, window_to_bytes
 from pipeline.operator import (
     KIND_LATE,
     KIND_MALFORMED,
+    KIND_PENDING,
     KIND_RELEASED,
     KIND_RESULT,
     KIND_STATE,
@@ -150,7 +151,9 @@ class ExactlyOnceSink:
         table: pa.Table = batch_df.toArrow()
         offsets = read_logged_offsets(self.checkpoint, batch_id)
         columns = {name: table.column(name).to_numpy() for name in table.column_names}
-        kind = columns.get("kind", np.empty(0, dtype=np.int8))
+        waiting = time.monotonic()
+        kind = self._settle_gaps(offsets, columns, columns.get("kind", np.empty(0, dtype=np.int8)))
+        started += time.monotonic() - waiting  # waiting on another instance is not this batch's work
 
         self.producer.begin_transaction()
         results = self._produce_results(columns, kind == KIND_RESULT)
@@ -175,6 +178,39 @@ class ExactlyOnceSink:
         self.producer.commit_transaction(60)
         self.last_batch = batch_id
         self._note_watermarks(offsets, columns, kind)
+
+    def _settle_gaps(
+        self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray
+    ) -> np.ndarray:
+        """The batch's kinds with each replay gap's output (`KIND_PENDING`, `Handoff.pending`) settled:
+        its plain kind where the sender was evicted before its release batch committed, -1 (left out)
+        where that batch committed. Waits until the control log tells which; meanwhile this instance's
+        output waits too, for as long as the sender's batch runs (or until it is declared dead)."""
+        pending = kind >= KIND_PENDING
+        if not pending.any():
+            return kind
+        settled = kind.copy()
+        for p, acquired in offsets.get("acquired", {}).items():
+            rows = pending & (columns["pid"] == int(p))
+            if rows.any():
+                owed = self._owes_gap(handoff_from_json(acquired["handoff"]).move_id, p, offsets)
+                settled[rows] = kind[rows] - KIND_PENDING if owed else -1
+        return settled
+
+    def _owes_gap(self, move_id: str, pid: str, offsets: dict[str, Any]) -> bool:
+        said = time.monotonic()
+        while (owed := self.control.catch_up().owes_gap(move_id)) is None:
+            evicted_in = self._evicted_in(offsets)
+            if evicted_in is not None:
+                raise Fenced(f"{self.instance} was declared dead in epoch {evicted_in}; not committing")
+            if time.monotonic() - said > 10:
+                print(
+                    f"{self.instance}: pid {pid}: waiting for its sender's release batch to commit",
+                    flush=True,
+                )
+                said = time.monotonic()
+            time.sleep(0.02)
+        return owed
 
     def _note_watermarks(
         self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray
@@ -225,6 +261,7 @@ class ExactlyOnceSink:
                 cutoff=released["cutoff"],
                 snapshot=snapshot,
                 watermark=watermark,
+                incarnation=self.incarnation,
             )
             publish(self.producer, self.cfg.control_topic, msg)
         ended = kind == KIND_TRACK_DONE

@@ -57,6 +57,10 @@ TRACK_OLD, TRACK_NEW = 1, 2
 DROP_ROW = -5  # the window this instance still holds for the pid is stale: dropped before anything else
 WINDOW_ROW = 16  # WINDOW_ROW + j: a window tuple of stream j to install, not to join
 SILENT_ROW = 32  # SILENT_ROW + j: a tuple of stream j a dead instance processed: processed again, silently
+# PENDING_ROW + j: a tuple of stream j a replay's sender reads in its uncommitted release batch: processed,
+# its output held until the log decides whether the sender's batch committed (`ControlView.owes_gap`)
+PENDING_ROW = 48
+PENDING_MALFORMED = -6  # a malformed record among them
 _READ_TIMEOUT_S = 60.0
 SAMPLE_EVERY_S = 30.0
 # An instance is behind when more input waits than arrives in this many trigger intervals (and at least
@@ -180,7 +184,8 @@ Offsets = dict[str, dict[str, int]]  # stream -> str(pid) -> next offset to read
 @dataclass(frozen=True, slots=True)
 class PidRange:
     """One pid's slice of one stream for a batch: Kafka offsets [start, end). A `window` range is input
-    re-read to rebuild a taken-over pid's window (replay): installed, never joined or dead-lettered."""
+    re-read to rebuild a taken-over pid's window (replay): installed, never joined or dead-lettered.
+    A `silent` or `pending` range is input another instance processed before the cutoff (`Handoff.since`)."""
 
     stream_index: int
     topic: str
@@ -189,6 +194,7 @@ class PidRange:
     end: int
     window: bool = False
     silent: bool = False
+    pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,6 +370,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         metrics, instance = options.get("metrics_topic"), options.get("instance")
         self.report = ReadReport(metrics, instance) if metrics and instance else None
         self.instance = instance or ""
+        self.incarnation = options.get("incarnation")
         self.watermarks_path = Path(options["watermarks"]) if "watermarks" in options else None
         self.control_topic = options.get("control_topic")
         self._admin: Any = None
@@ -425,6 +432,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             released[str(p)] = {
                 "move_id": move.move_id if move else None,
                 "export": move is not None and move.mode is Mode.TRANSFER,
+                "announce": move is not None and move.mode is Mode.REPLAY,
                 "cutoff": {s: current[s][str(p)] for s in self.streams},
             }
         new = sorted(p for p in owned.pids if str(p) not in keep[first])
@@ -443,6 +451,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             released[str(p)] = {
                 "move_id": move.move_id,
                 "export": move.mode is Mode.TRANSFER,
+                "announce": move.mode is Mode.REPLAY,
                 "cutoff": cutoff,
             }
         noted = read_watermarks(self.watermarks_path) if self.watermarks_path and starting else {}
@@ -450,11 +459,13 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             if str(p) not in keep[first]:
                 continue  # not read by this query: nothing to track
             cutoff = {s: keep[s][str(p)] for s in self.streams}
-            released.setdefault(str(p), {"move_id": move.move_id, "export": False, "cutoff": cutoff})
+            released.setdefault(
+                str(p), {"move_id": move.move_id, "export": False, "announce": False, "cutoff": cutoff}
+            )
             released[str(p)]["track"] = True
             watermark = watermark_at(noted, p, cutoff) if self.control_topic else None
             if watermark is not None:  # announced when the batch is planned (`partitions`)
-                released[str(p)]["watermark"] = watermark
+                released[str(p)] |= {"watermark": watermark, "announce": True}
             tracking[str(p)] = {"role": "old", "move_id": move.move_id}
             markers.append((p, TRACK_ROW, TRACK_OLD, 0))
         acquired: dict[str, dict[str, Any]] = {}
@@ -477,7 +488,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 continue
             for s in self.streams:
                 keep[s][str(p)] = handoff.cutoff[s]
-            replay = self._replay_from(p, handoff.cutoff) if handoff.mode is Mode.REPLAY else None
+            rebuilt_to = handoff.since if handoff.since is not None else handoff.cutoff
+            replay = self._replay_from(p, rebuilt_to) if handoff.mode is Mode.REPLAY else None
             acquired[str(p)] = {"handoff": handoff_to_json(handoff), "replay_from": replay}
             if handoff.mode is Mode.PARALLEL_TRACK:
                 assert handoff.watermark is not None, "a parallel_track handoff carries the watermark"
@@ -558,7 +570,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         begin = {s: {**held[s], **{p: start["offsets"][s][p] for p in leaving}} for s in self.streams}
         moves_out = any(r["move_id"] and "watermark" not in r for r in plan["released"].values())
         end, next_pid = self._read_up_to(begin, limit, int(start.get("next_pid", 0)), moves_out)
-        for p in leaving:
+        for p in leaving:  # read on in this batch: its output up to the cutoff commits with it
+            plan["released"][p]["since"] = plan["released"][p]["cutoff"]
             plan["released"][p]["cutoff"] = {s: end[s][p] for s in self.streams}
         plan["from"] = {  # pids entering where the start offset does not say (a returning one: elsewhere)
             s: {p: o for p, o in held[s].items() if start["offsets"].get(s, {}).get(p) != o} for s in held
@@ -641,7 +654,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return ReadMaxRows(self.max_rows)
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
-        self._announce_tracks(end)
+        self._announce_releases(end)
         begin = {s: {**start["offsets"].get(s, {}), **end.get("from", {}).get(s, {})} for s in self.streams}
         ranges = [
             PidRange(i, self.topics[i], int(p), begin[s][p], e)
@@ -673,23 +686,25 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                         PidRange(i, self.topics[i], int(p), a["replay_from"][s], window_end[s], True)
                     )
                 if window_end[s] < handoff.cutoff[s]:
-                    replays.append(
-                        PidRange(i, self.topics[i], int(p), window_end[s], handoff.cutoff[s], silent=True)
-                    )
+                    gap = (i, self.topics[i], int(p), window_end[s], handoff.cutoff[s])
+                    replays.append(PidRange(*gap, silent=not handoff.pending, pending=handoff.pending))
         markers = tuple((int(p), int(c), int(k), int(t)) for p, c, k, t in end.get("markers", []))
         if releases or snapshots or replays or markers:
             work = HandoffWork(releases, tuple(snapshots), markers)
             tasks.append(KafkaPidPartition(replays, self.partition_count, work))
         return tasks
 
-    def _announce_tracks(self, end: dict) -> None:
-        """Publish `Released` for the parallel tracks this batch begins whose watermark the plan knows.
+    def _announce_releases(self, end: dict) -> None:
+        """Publish `Released` for the moves out this batch plans: replays, and parallel tracks whose
+        watermark the plan knows.
 
-        Spark plans a batch's partitions after it has logged the batch's offsets, so the overlap is
-        certain to begin at this cutoff, with this watermark, in this batch or its replay; the receiver
-        may start while the batch runs. The sink publishes the same message again with the batch, as
-        for every release; the controller's view keeps one per move."""
-        announced = [(p, r) for p, r in end.get("released", {}).items() if "watermark" in r and r["move_id"]]
+        Spark plans a batch's partitions after it has logged the batch's offsets, so the cutoff is
+        certain, in this batch or its replay, and the receiver may start while the batch runs. A replay's
+        receiver rebuilds the window up to where this batch began (`since`) and processes the batch's
+        part of the pid itself, holding that output until the log shows this batch committed (then it
+        is dropped) or this instance evicted first (then it is emitted). The sink publishes the same
+        message again with the batch, as for every release; the controller's view keeps one per move."""
+        announced = [(p, r) for p, r in end.get("released", {}).items() if r.get("announce") and r["move_id"]]
         if not announced or self.control_topic is None:
             return
         from pipeline.control import publish
@@ -703,7 +718,10 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 move_id=r["move_id"],
                 cutoff=r["cutoff"],
                 snapshot=None,
-                watermark=int(r["watermark"]),
+                watermark=r.get("watermark"),
+                incarnation=self.incarnation,
+                announced=True,
+                since=r.get("since", r["cutoff"]),
             )
             publish(producer, self.control_topic, msg)
         if producer.flush(30):
@@ -957,9 +975,11 @@ def _to_arrow(
     keys = [c[1] for c in cols] + [np.full(len(bad), r.stream_index, dtype=np.int64)]
     ts = [c[2] for c in cols] + [np.array([code for _, code in bad], dtype=np.int64)]
     n_good = sum(len(c[0]) for c in cols)
-    code = r.stream_index + (WINDOW_ROW if r.window else SILENT_ROW if r.silent else 0)
+    code = r.stream_index + (
+        WINDOW_ROW if r.window else SILENT_ROW if r.silent else PENDING_ROW if r.pending else 0
+    )
     stream = np.full(n_good + len(bad), code, dtype=np.int8)
-    stream[n_good:] = MALFORMED_STREAM
+    stream[n_good:] = PENDING_MALFORMED if r.pending else MALFORMED_STREAM
     return pa.RecordBatch.from_arrays(
         [
             pa.array(np.full(len(stream), r.pid, dtype=np.int32)),

@@ -3,8 +3,9 @@
 At least 20 random moves in the three handoff modes under continuous input, a kill -9 of the controller in the
 middle of a move and of an instance (its pids are recovered by replay; it restarts empty): the results
 topic must still hold exactly the oracle's join. And two rare cases on purpose: the sender of a
-parallel track killed while it still holds old tuples, and a pid moved back to the old side of its
-track before that side saw the track end.
+parallel track killed while it still holds old tuples, the sender of a replay killed before the batch
+that releases the pid committed, and a pid moved back to the old side of its track before that side saw
+the track end.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from controller.local import LocalPipeline, committed_offsets, wait_drained
 from controller.moves import request_moves
 from controller.soak import SoakPlan, Watch, acquired_by, evicted, rejoined, run_soak, soak_config
 from pipeline.config import load_config
+from pipeline.control import ControlLog
 from pipeline.instance import instance_dir
 from pipeline.oracle import verify_pipeline
 from pipeline.protocol import ControlView, Mode, track_key
@@ -88,10 +91,67 @@ def test_a_parallel_track_sender_killed_in_the_overlap_is_resumed_exactly(
     _assert_exact(pipeline)
 
 
+def _frozen_before_its_release_committed(
+    pipeline: LocalPipeline, log: ControlLog, sender: str, move: str
+) -> bool:
+    """Freeze the sender as soon as its replay's `Released` is announced (its release batch planned); true
+    if that batch had not committed by then (its `Released` committed is not in the log 2 s later)."""
+    deadline = time.monotonic() + 120
+    while move not in log.catch_up().released:
+        assert time.monotonic() < deadline, f"no release of {move}"
+        time.sleep(0.01)
+    os.killpg(pipeline.procs[sender].pid, signal.SIGSTOP)
+    time.sleep(2)
+    released = log.catch_up().released.get(move)
+    return released is not None and released.gap
+
+
+def test_a_replay_sender_killed_before_its_release_batch_committed_leaves_the_gap_to_the_receiver(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """A replay's receiver starts as soon as the sender has planned the batch that releases the pid, and
+    processes that batch's part of the pid itself, its output held. The sender is frozen before that
+    batch commits, then killed: once the controller evicts it, the log must show the gap owed to the
+    receiver, which emits it. (The freeze can come too late, after the batch committed: then the pid
+    moves back and the other side is tried.)"""
+    cfg = soak_config(load_config(), topic_prefix, seconds=300)
+    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
+    watch = Watch(pipeline)
+    try:
+        sender = _pid_3_flowing(pipeline, watch, heartbeat_timeout_s=6.0)
+        receiver = next(name for name in INSTANCES if name != sender)
+        for _ in range(3):
+            move = request_moves(cfg, kafka_bootstrap, [3], receiver, Mode.REPLAY).move_id(3)
+            if _frozen_before_its_release_committed(pipeline, watch.log, sender, move):
+                break
+            os.killpg(pipeline.procs[sender].pid, signal.SIGCONT)
+            watch.until(_acquired(move), 120, f"{receiver} acquiring pid 3")
+            sender, receiver = receiver, sender
+        else:
+            raise AssertionError("every release batch committed before its sender was frozen")
+        pipeline.kill(sender, signal.SIGKILL)
+        owed = watch.until(lambda v: v.owes_gap(move) is not None, 90, f"the eviction of {sender}")
+        assert owed.owes_gap(move) is True, "the gap is the receiver's to emit"
+        taken = watch.until(_acquired(move), 120, f"{receiver} acquiring pid 3")
+        assert taken.acquired[move].instance == receiver
+        pipeline.start_instance(sender)
+        watch.until(rejoined(sender), 120, f"{sender} rejoining")
+        pipeline.end_input()
+        wait_drained(pipeline, timeout_s=300)
+    finally:
+        watch.log.close()
+        pipeline.stop()
+    _assert_exact(pipeline)
+
+
 def _assert_exact(pipeline: LocalPipeline) -> None:
     report = verify_pipeline(pipeline.cfg, pipeline.bootstrap)
     assert report.expected > 10_000, "the workload must produce a meaningful number of results"
     assert (report.missing, report.duplicate, report.spurious) == (0, 0, 0), report.describe()
+
+
+def _acquired(move: str) -> Callable[[ControlView], bool]:
+    return lambda v: move in v.acquired
 
 
 def _no_track(pid: int) -> Callable[[ControlView], bool]:
