@@ -17,7 +17,9 @@ Handoffs ride the same transaction: a batch that releases pids writes their expo
 handoff topic and `Released` to the control topic; a batch that installs taken-over pids writes
 `Acquired`, and the end of a parallel-track overlap `TrackDone`. Before committing, the sink reads the
 control log to its end and aborts if a newer assignment lists this instance as evicted (it was declared
-dead and its pids recovered elsewhere): a stale owner can neither emit nor acknowledge.
+dead and its pids recovered elsewhere): a stale owner can neither emit nor acknowledge. A batch that
+takes a pid over by a replay announced at the sender's plan holds the output of the sender's part (the
+gap) until the control log shows whether the sender's batch committed it (decision 0035).
 
 After each commit the sink notes every kept pid's window watermark, with the offsets it has read up to,
 in a file the source reads when it plans a batch: a parallel track that begins where the last batch left
