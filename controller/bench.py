@@ -809,9 +809,19 @@ def _acquired(log: Any, move_id: str) -> bool:
     return move_id in log.catch_up().acquired
 
 
-def _p99(records: list[dict[str, Any]], start_ms: float, end_ms: float) -> float | None:
-    window = [r for r in records if start_ms <= r["time_ms"] < end_ms and r["results"]]
-    return weighted_percentiles(window, (99,))[0]
+def p99_of_pids(
+    records: list[dict[str, Any]], start_ms: float, end_ms: float, moved: int | None = None
+) -> float | None:
+    """The result-latency p99 of the batches in [start_ms, end_ms), from each pid's latency sample,
+    leaving out the `moved` pid: how a move treats the pids it does not move."""
+    samples = [
+        p
+        for r in records
+        if start_ms <= r["time_ms"] < end_ms
+        for pid, p in r["pids"].items()
+        if int(pid) != moved and p.get("results")
+    ]
+    return weighted_percentiles(samples, (99,))[0]
 
 
 def measure_move_cost(
@@ -847,7 +857,7 @@ def measure_move_cost(
         steady_start = time.time() * 1000
         collect_for(steady_s)
         steady_end = time.time() * 1000
-        out["steady_p99_s"] = _p99(records, steady_start, steady_end)
+        out["steady_p99_s"] = p99_of_pids(records, steady_start, steady_end)
         out["steady_batch_interval_s"] = batch_interval_s(records, steady_start, steady_end)
         out["steady_busy_per_s"] = busy_per_s(records, steady_start, steady_end)
         for pid, mode in ((0, Mode.TRANSFER), (1, Mode.REPLAY), (3, Mode.PARALLEL_TRACK)):
@@ -859,7 +869,7 @@ def measure_move_cost(
             out[mode.value] = {
                 "pause_s": pause_of(records, pid, started),
                 "to_target_s": to_target_s(records, pid, names[1], started),
-                "others_p99_s": _p99(records, started, ended),
+                "others_p99_s": p99_of_pids(records, started, ended, moved=pid),
                 "busy_per_s": busy_per_s(records, started, ended),
             }
             say(f"move-cost W={cfg.window_ms} ms {mode.value}: {out[mode.value]}")
@@ -872,7 +882,7 @@ def measure_move_cost(
         collect_for(steady_s)
         out["restart"] = {
             "pause_s": pause_of(records, 2, started),
-            "others_p99_s": _p99(records, started, time.time() * 1000),
+            "others_p99_s": p99_of_pids(records, started, time.time() * 1000),
         }
         say(f"move-cost W={cfg.window_ms} ms restart: {out['restart']}")
     finally:

@@ -100,6 +100,15 @@ def _sample(values: np.ndarray, n: int) -> list[float]:
     return [round(float(v), 4) for v in picks]
 
 
+def _by_pid(pids: np.ndarray, values: np.ndarray) -> dict[int, np.ndarray]:
+    """`values` split by the pid of each."""
+    if not len(pids):
+        return {}
+    order = np.argsort(pids, kind="stable")
+    found, starts = np.unique(pids[order], return_index=True)
+    return {int(p): part for p, part in zip(found, np.split(values[order], starts[1:]), strict=True)}
+
+
 class ExactlyOnceSink:
     """`foreachBatch` target: writes one micro-batch's output in one Kafka transaction."""
 
@@ -327,6 +336,7 @@ class ExactlyOnceSink:
         """Per-batch metrics, written in the batch's transaction (latency measured just before commit)."""
         now = time.time()
         latency = now - columns["ts"][kind == KIND_RESULT] / 1000.0 if results else np.empty(0)
+        by_pid = _by_pid(columns["pid"][kind == KIND_RESULT], latency)
         stats = kind == KIND_STATS
         ended = time.monotonic()
         busy = (ended - started) / max(ended - self.last_end, 1e-3)
@@ -354,6 +364,7 @@ class ExactlyOnceSink:
                     "state_bytes": int(b),
                     "window_tuples": int(w),
                     "newest_ms": int(t),
+                    "latency_sample": _sample(by_pid.get(int(p), np.empty(0)), 20),
                 }
                 for p, n, r, b, w, t in zip(
                     columns["pid"][stats],

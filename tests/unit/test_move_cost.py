@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.bench import batch_interval_s, busy_per_s, pause_of, to_target_s
+from controller.bench import batch_interval_s, busy_per_s, p99_of_pids, pause_of, to_target_s
 
 
 def _batch(instance: str, at_s: float, reads: dict[int, int], duration_s: float = 0.5) -> dict[str, Any]:
@@ -35,3 +35,14 @@ def test_time_to_target_counts_from_the_request_to_the_targets_first_batch_with_
 
 def test_busy_per_second_sums_batch_work_over_instances() -> None:
     assert busy_per_s(RECORDS, 12_000, 14_000) == 1.0  # four half-second batches in two seconds
+
+
+def test_the_p99_of_unmoved_pids_leaves_the_moved_one_out() -> None:
+    def batch(at_s: float, samples: dict[int, tuple[int, list[float]]]) -> dict[str, Any]:
+        pids = {str(p): {"results": n, "latency_sample": s} for p, (n, s) in samples.items()}
+        return {"time_ms": 1000 * at_s, "pids": pids}
+
+    records = [batch(1, {0: (100, [50.0]), 1: (900, [1.0, 1.0])}), batch(2, {1: (90, [1.0]), 2: (0, [])})]
+    assert p99_of_pids(records, 0, 3_000, moved=0) == 1.0
+    assert p99_of_pids(records, 0, 3_000) == 50.0
+    assert p99_of_pids(records, 1_500, 3_000, moved=1) is None, "no results of the others"
