@@ -307,7 +307,8 @@ class FluxjoinSource(DataSource):
     `lateness_ms` (how far back a replayed window reaches), `trigger_ms` (the time between batches:
     how much waiting input makes the instance behind), `poll_ms` (the query's trigger when shorter: how
     soon a move step gets its batch), `watermarks` (path of the file the sink notes
-    windows' watermarks in) and `control_topic` (where a parallel track's `Released` goes at the plan)."""
+    windows' watermarks in), `control_topic` (where a replay's or a parallel track's `Released` goes at
+    the plan) and `incarnation` (the instance's, named in that `Released`)."""
 
     @classmethod
     def name(cls) -> str:
@@ -356,7 +357,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self.assignment_path = Path(options["assignment"])
         self.partition_count = int(options["partitions"])
         self.max_rows = int(options.get("max_rows", "200000"))
-        self.tasks = int(options.get("tasks", "2"))
+        self.tasks = int(options["tasks"])
         self.reach_back_ms = int(options.get("window_ms", "0")) + 2 * int(options.get("lateness_ms", "0"))
         trigger_s = int(options.get("trigger_ms", "0")) / 1000
         self.behind_horizon_s = max(BEHIND_TRIGGERS * trigger_s, MIN_BEHIND_S)

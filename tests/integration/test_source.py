@@ -61,6 +61,7 @@ def _planner(
             "topics": f"{cfg.input_topic('A')},{cfg.input_topic('B')}",
             "assignment": str(assignment),
             "partitions": str(PARTITIONS),
+            "tasks": "1",
             "instance": "here",
             **options,
         }
