@@ -25,6 +25,16 @@ from pipeline.protocol import (
 SNAP = Snapshot(topic="p.handoff", partition=0, offsets=(4, 5), sha256="ab" * 32)
 MOVE = MoveSpec(move_id="m1", pid=3, source="a", target="b", mode=Mode.TRANSFER)
 HANDOFF = Handoff(move_id="m1", mode=Mode.TRANSFER, cutoff={"A": 10, "B": 12}, snapshot=SNAP)
+ANNOUNCED = ReleasedMsg(
+    instance="a",
+    epoch=1,
+    pid=3,
+    move_id="m1",
+    cutoff={"A": 9},
+    incarnation="ia",
+    announced=True,
+    since={"A": 4},
+)
 
 
 @pytest.mark.parametrize(
@@ -44,19 +54,7 @@ HANDOFF = Handoff(move_id="m1", mode=Mode.TRANSFER, cutoff={"A": 10, "B": 12}, s
         pytest.param(
             ReleasedMsg(instance="a", epoch=5, pid=3, move_id="m1", cutoff={"A": 1}), id="released-replay"
         ),
-        pytest.param(
-            ReleasedMsg(
-                instance="a",
-                epoch=5,
-                pid=3,
-                move_id="m1",
-                cutoff={"A": 9},
-                incarnation="ia",
-                announced=True,
-                since={"A": 4},
-            ),
-            id="released-announced",
-        ),
+        pytest.param(ANNOUNCED, id="released-announced"),
         pytest.param(
             AssignmentMsg(
                 epoch=6,
@@ -119,16 +117,6 @@ def test_pids_of_lists_only_owned_pids() -> None:
     assert msg.pids_of("a") == frozenset({0, 2})
 
 
-ANNOUNCED = ReleasedMsg(
-    instance="a",
-    epoch=1,
-    pid=3,
-    move_id="m1",
-    cutoff={"A": 9},
-    incarnation="ia",
-    announced=True,
-    since={"A": 4},
-)
 COMMITTED = replace(ANNOUNCED, announced=False, since=None)
 EVICTS_A = AssignmentMsg(epoch=3, owners={3: "b"}, evicted=("a@ia",))
 
