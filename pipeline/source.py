@@ -341,7 +341,9 @@ class FluxjoinStreamReader(DataSourceStreamReader):
 
     A parallel track that begins at the start of the batch needs no batch to release it when the sink
     noted the pid's window watermark there (`watermark_at`): its `Released` goes out as soon as the
-    batch is planned (`partitions`), and the batch reads as usual (decision 0023).
+    batch is planned (`partitions`), and the batch reads as usual (decision 0023). So does a replay's,
+    with `since`, where the batch begins reading the pid: its receiver processes the batch's part of the
+    pid too, and keeps that output only if this batch never commits (decision 0035).
 
     Paced (a trigger longer than the poll interval, decision 0027): Spark asks for a batch every
     `poll_ms`, and the source plans one a trigger after the last, or at once when the assignment gives
