@@ -123,6 +123,11 @@ def make_join_function(
         window = window_from_bytes(state.get[0]) if state.exists else WindowState.empty(streams)
         stream_col = rows["stream"].to_numpy()
         ids, keys, ts = (rows[c].to_numpy().astype(np.int64) for c in ("id", "key", "ts"))
+
+        def rows_of(code: int) -> list[Part]:
+            """Per stream j, the rows whose `stream` column is code + j."""
+            return [Part(ids[m], keys[m], ts[m]) for m in (stream_col == code + j for j in range(streams))]
+
         if (stream_col == DROP_ROW).any():  # a returning pid: the window of its ended old track goes
             window = WindowState.empty(streams)
 
@@ -130,11 +135,8 @@ def make_join_function(
             stream_col == WATERMARK_ROW
         ).any():
             shipped = ts[stream_col == WATERMARK_ROW]
-            parts = [
-                Part(ids[m], keys[m], ts[m]) for m in (stream_col == WINDOW_ROW + j for j in range(streams))
-            ]
             wm = int(shipped.max()) if len(shipped) else None
-            window = install(window, parts, wm, window_ms, allowed_lateness_ms)
+            window = install(window, rows_of(WINDOW_ROW), wm, window_ms, allowed_lateness_ms)
 
         zeros = [0] * (streams - 1)
         track = stream_col == TRACK_ROW
@@ -149,21 +151,15 @@ def make_join_function(
         receiving = window.old_max is not None
         if ((stream_col >= SILENT_ROW) & (stream_col < PENDING_ROW)).any():
             # as the dead instance processed them; its output stands
-            silent = [
-                Part(ids[m], keys[m], ts[m]) for m in (stream_col == SILENT_ROW + j for j in range(streams))
-            ]
-            window = join_step(window, silent, window_ms, allowed_lateness_ms).state
+            window = join_step(window, rows_of(SILENT_ROW), window_ms, allowed_lateness_ms).state
         if (stream_col >= PENDING_ROW).any() or (stream_col == PENDING_MALFORMED).any():
             # as the sender's release batch processes them, in one step: its output or this, not both
-            gap = [
-                Part(ids[m], keys[m], ts[m]) for m in (stream_col == PENDING_ROW + j for j in range(streams))
-            ]
-            step = join_step(window, gap, window_ms, allowed_lateness_ms)
+            step = join_step(window, rows_of(PENDING_ROW), window_ms, allowed_lateness_ms)
             window = step.state
             bad = stream_col == PENDING_MALFORMED
             yield from _output(pid, step, Part(ids[bad], keys[bad], ts[bad]), KIND_PENDING)
 
-        new = [Part(ids[m], keys[m], ts[m]) for m in (stream_col == j for j in range(streams))]
+        new = rows_of(0)
         out = join_step(window, new, window_ms, allowed_lateness_ms)
         if (
             out.state.old is not None

@@ -52,7 +52,7 @@ from pipeline.operator import (
     KIND_TRACK_DONE,
     KIND_WATERMARK,
 )
-from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, TrackDoneMsg, handoff_from_json
+from pipeline.protocol import AcquiredMsg, ControlView, ReleasedMsg, Snapshot, TrackDoneMsg, handoff_from_json
 from pipeline.source import TRACK_OLD, write_watermarks
 from pipeline.topics import partition_offsets, read_topic
 
@@ -182,7 +182,7 @@ class ExactlyOnceSink:
         self.producer.produce(self.cfg.sink_commits_topic, key=self.instance, value=json.dumps(marker))
         metrics = self._metrics(batch_id, offsets, columns, kind, started, results, late, malformed)
         self.producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(metrics))
-        evicted_in = self._evicted_in(offsets)
+        evicted_in = self._evicted_in(self.control.catch_up(), offsets)
         if evicted_in is not None:
             self.producer.abort_transaction(60)
             raise Fenced(f"{self.instance} was declared dead in epoch {evicted_in}; not committing")
@@ -210,8 +210,8 @@ class ExactlyOnceSink:
 
     def _owes_gap(self, move_id: str, pid: str, offsets: dict[str, Any]) -> bool:
         said = time.monotonic()
-        while (owed := self.control.catch_up().owes_gap(move_id)) is None:
-            evicted_in = self._evicted_in(offsets)
+        while (owed := (view := self.control.catch_up()).owes_gap(move_id)) is None:
+            evicted_in = self._evicted_in(view, offsets)
             if evicted_in is not None:
                 raise Fenced(f"{self.instance} was declared dead in epoch {evicted_in}; not committing")
             if time.monotonic() - said > 10:
@@ -240,9 +240,9 @@ class ExactlyOnceSink:
         }
         write_watermarks(self.watermarks_path, noted)
 
-    def _evicted_in(self, offsets: dict[str, Any]) -> int | None:
-        """The epoch of a newer assignment that evicts this incarnation (its pids went elsewhere)."""
-        newest = self.control.catch_up().assignment
+    def _evicted_in(self, view: ControlView, offsets: dict[str, Any]) -> int | None:
+        """The epoch of a newer assignment in `view` evicting this incarnation (its pids went elsewhere)."""
+        newest = view.assignment
         if newest is None or newest.epoch <= offsets["epoch"]:
             return None
         names = {f"{self.instance}@{self.incarnation}", f"{self.instance}@?"}  # "?": never heard
