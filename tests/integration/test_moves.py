@@ -14,13 +14,14 @@ import itertools
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from controller.local import LocalPipeline, committed_offsets, wait_drained
 from controller.moves import request_moves
 from controller.soak import SoakPlan, Watch, acquired_by, evicted, rejoined, run_soak, soak_config
-from pipeline.config import load_config
+from pipeline.config import Config, load_config
 from pipeline.control import ControlLog
 from pipeline.instance import instance_dir
 from pipeline.oracle import verify_pipeline
@@ -62,9 +63,7 @@ def test_a_parallel_track_sender_killed_in_the_overlap_is_resumed_exactly(
     that long), then killed. A third instance must rebuild its window from the log, re-read silently
     what the sender had committed, and emit every later result with an old tuple."""
     cfg = soak_config(load_config(), topic_prefix, seconds=300).with_overrides(window_ms=20_000)
-    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
-    watch = Watch(pipeline)
-    try:
+    with _scenario(cfg, kafka_bootstrap, tmp_path) as (pipeline, watch):
         sender = _pid_3_flowing(pipeline, watch, heartbeat_timeout_s=6.0)
         receiver = next(name for name in INSTANCES if name != sender)
 
@@ -83,12 +82,6 @@ def test_a_parallel_track_sender_killed_in_the_overlap_is_resumed_exactly(
         watch.until(rejoined(sender), 120, f"{sender} rejoining")
         over = watch.until(_no_track(3), 180, "the track")
         assert over.track_done[track_key(move, "old")].instance == holder, "ended where resumed"
-        pipeline.end_input()
-        wait_drained(pipeline, timeout_s=300)
-    finally:
-        watch.log.close()
-        pipeline.stop()
-    _assert_exact(pipeline)
 
 
 def _frozen_before_its_release_committed(
@@ -118,9 +111,7 @@ def test_a_replay_sender_killed_before_its_release_batch_committed_leaves_the_ga
     tuples per message, so that the pid has new messages in most batches."""
     cfg = soak_config(load_config(), topic_prefix, seconds=300)
     cfg = cfg.with_overrides(**{"generator.tuples_per_message": 4})
-    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
-    watch = Watch(pipeline)
-    try:
+    with _scenario(cfg, kafka_bootstrap, tmp_path) as (pipeline, watch):
         sender = _pid_3_flowing(pipeline, watch, heartbeat_timeout_s=6.0)
         receiver = next(name for name in INSTANCES if name != sender)
         for _ in range(5):
@@ -139,15 +130,21 @@ def test_a_replay_sender_killed_before_its_release_batch_committed_leaves_the_ga
         assert taken.acquired[move].instance == receiver
         pipeline.start_instance(sender)
         watch.until(rejoined(sender), 120, f"{sender} rejoining")
+
+
+@contextmanager
+def _scenario(cfg: Config, bootstrap: str, work: Path) -> Iterator[tuple[LocalPipeline, Watch]]:
+    """A pipeline and a watch on its control log for the body; then the input ends, the pipeline
+    drains, stops, and its output must be exact."""
+    pipeline = LocalPipeline(cfg, bootstrap, work)
+    watch = Watch(pipeline)
+    try:
+        yield pipeline, watch
         pipeline.end_input()
         wait_drained(pipeline, timeout_s=300)
     finally:
         watch.log.close()
         pipeline.stop()
-    _assert_exact(pipeline)
-
-
-def _assert_exact(pipeline: LocalPipeline) -> None:
     report = verify_pipeline(pipeline.cfg, pipeline.bootstrap)
     assert report.expected > 10_000, "the workload must produce a meaningful number of results"
     assert (report.missing, report.duplicate, report.spurious) == (0, 0, 0), report.describe()
@@ -191,9 +188,7 @@ def test_a_pid_moved_back_before_its_old_side_saw_the_track_end_stays_exact(
     old side it would emit none of pid 3's later results. (The freeze can come too late, after the
     side already planned a batch without the track: then the round trip is tried again.)"""
     cfg = soak_config(load_config(), topic_prefix, seconds=300)
-    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
-    watch = Watch(pipeline)
-    try:
+    with _scenario(cfg, kafka_bootstrap, tmp_path) as (pipeline, watch):
         side = _pid_3_flowing(pipeline, watch, heartbeat_timeout_s=60.0)
         other = next(name for name in INSTANCES if name != side)
         home = instance_dir(pipeline.cfg, side)
@@ -213,9 +208,3 @@ def test_a_pid_moved_back_before_its_old_side_saw_the_track_end_stays_exact(
                 break
         assert _returned_while_old(home, 3), f"{side} saw the track end before pid 3 came back, three times"
         watch.until(_no_track(3), 120, "the last track")
-        pipeline.end_input()
-        wait_drained(pipeline, timeout_s=300)
-    finally:
-        watch.log.close()
-        pipeline.stop()
-    _assert_exact(pipeline)
