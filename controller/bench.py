@@ -350,10 +350,13 @@ def run_throughput_bench(
 # --- fluxjoin bench skew: static vs flux under skew that moves, each instance on a fixed CPU budget ---
 
 
-FLUX_SKEW_MODE = "parallel_track"
-"""Flux's moves run as parallel tracks (PTLB): with triggers of 4 s a transfer pauses the moved pid, a
-hot one carrying many results, for about three triggers (measured: the flux p50 at 12,000 tuples/s
-rose above static's), while a parallel track never pauses it."""
+FLUX_SKEW_MODE = "replay"
+"""Flux's moves run as replays (decision 0036). A transfer pauses the moved pid, a hot one carrying
+many results, for about three 4 s triggers. A parallel track never pauses it, but its donor goes on
+joining the pid's new tuples with the old ones for a window, so the relief comes W after the move.
+A replay announced at its plan (decision 0035) pauses the pid for less than a batch and relieves the
+donor at once: side by side at 2,000 tuples/s, flux's p99 was 8.0 s with replays and 10.2 s with
+parallel tracks."""
 FLUX_SKEW_MOVES_PER_PAIR = 8
 """Flux may move up to this many pids per pair and round (decision 0012): the hot set is 13 pids."""
 FLUX_SKEW_MIN_MOVE_SHARE = 0.25
@@ -1029,7 +1032,7 @@ def measure_convergence(
     cfg: Config, bootstrap: str, work: Path, delta_min_s: float, shift_s: float, say: Callable[[str], None]
 ) -> dict[str, Any]:
     """One flux run with `delta_min_s`, otherwise as the skew benchmark runs flux (several moves per
-    pair, parallel tracks): the input's hot pids change at `shift_s` (and at its multiples)."""
+    pair, in FLUX_SKEW_MODE): the input's hot pids change at `shift_s` (and at its multiples)."""
     from controller.runner import instance_names
 
     pipeline = LocalPipeline(cfg, bootstrap, work)
