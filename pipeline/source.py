@@ -334,16 +334,15 @@ class FluxjoinStreamReader(DataSourceStreamReader):
     same batch.
 
     Except when the instance is behind (more input waits than arrives in two trigger intervals): then a
-    batch that releases moved pids reads no new input, and the moved pids' cutoffs are where the last
-    batch stopped. Read as usual, that batch would join the instance's whole backlog before the
+    batch whose releases wait for it to commit reads no new input, and the moved pids' cutoffs are where
+    the last batch stopped. Read as usual, that batch would join the instance's whole backlog before the
     release commits with it, on the very instance a move relieves; this way the release costs one
     batch's fixed cost, and the receiver reads the moved pids' part of the backlog.
 
-    A parallel track that begins at the start of the batch needs no batch to release it when the sink
-    noted the pid's window watermark there (`watermark_at`): its `Released` goes out as soon as the
-    batch is planned (`partitions`), and the batch reads as usual (decision 0023). So does a replay's,
-    with `since`, where the batch begins reading the pid: its receiver processes the batch's part of the
-    pid too, and keeps that output only if this batch never commits (decision 0035).
+    A replay, and a parallel track whose window watermark the sink noted at the start of the batch
+    (`watermark_at`), need no batch to release them: the cutoff is where the batch begins, the batch
+    reads nothing of the pid, and the `Released` goes out as soon as the batch is planned
+    (`partitions`; decisions 0023, 0035, 0037). The batch reads its other pids as usual.
 
     Paced (a trigger longer than the poll interval, decision 0027): Spark asks for a batch every
     `poll_ms`, and the source plans one a trigger after the last, or at once when the assignment gives
@@ -571,7 +570,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         held: Offsets = plan["offsets"]
         leaving = self._read_to_cutoff(start, plan["released"])
         begin = {s: {**held[s], **{p: start["offsets"][s][p] for p in leaving}} for s in self.streams}
-        moves_out = any(r["move_id"] and "watermark" not in r for r in plan["released"].values())
+        moves_out = any(r["move_id"] and not r["announce"] for r in plan["released"].values())
         end, next_pid = self._read_up_to(begin, limit, int(start.get("next_pid", 0)), moves_out)
         for p in leaving:  # read on in this batch: its output up to the cutoff commits with it
             plan["released"][p]["since"] = plan["released"][p]["cutoff"]
@@ -583,10 +582,14 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return plan | next_pid
 
     def _read_to_cutoff(self, start: dict, released: dict[str, Any]) -> list[str]:
-        """The released pids this batch reads on up to their cutoff, like every held pid: those that
-        move away (a parallel track's sender keeps reading them) and that the batch's start offset has."""
+        """The released pids this batch reads on up to their cutoff, like every held pid: transfers
+        that the batch's start offset has, whose window must hold that input when it is exported.
+
+        A replay's cutoff is where the batch begins (decision 0037): its receiver rebuilds the window
+        from the log and reads on from there, so the sender has nothing to finish, and the receiver
+        never waits for the sender's batch, which on a loaded sender is the longest."""
         read = start["offsets"].get(self.streams[0], {})
-        return [p for p, r in released.items() if r["move_id"] and not r.get("track") and p in read]
+        return [p for p, r in released.items() if r["export"] and p in read]
 
     def _read_up_to(
         self, begin: Offsets, limit: ReadLimit, first_pid: int, moves_out: bool = False

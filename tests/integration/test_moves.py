@@ -88,8 +88,7 @@ def _frozen_before_its_release_committed(
     pipeline: LocalPipeline, log: ControlLog, sender: str, move: str
 ) -> bool:
     """Freeze the sender as soon as its replay's `Released` is announced (its release batch planned); true
-    if that batch reads input of the pid (a gap) and had not committed by then (its committed `Released`
-    is not in the log 2 s later)."""
+    if that batch had not committed by then (its committed `Released` is not in the log 2 s later)."""
     deadline = time.monotonic() + 120
     while move not in log.catch_up().released:
         assert time.monotonic() < deadline, f"no release of {move}"
@@ -97,20 +96,18 @@ def _frozen_before_its_release_committed(
     os.killpg(pipeline.procs[sender].pid, signal.SIGSTOP)
     time.sleep(2)
     released = log.catch_up().released.get(move)
-    return released is not None and released.gap
+    return released is not None and released.announced
 
 
-def test_a_replay_sender_killed_before_its_release_batch_committed_leaves_the_gap_to_the_receiver(
+def test_a_replay_receiver_takes_the_pid_while_its_sender_is_frozen_before_the_release_committed(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
-    """A replay's receiver starts as soon as the sender has planned the batch that releases the pid, and
-    processes that batch's part of the pid itself, its output held. The sender is frozen before that
-    batch commits, then killed: once the controller evicts it, the log must show the gap owed to the
-    receiver, which emits it. (The freeze can come too late, after the batch committed, or the batch
-    can have no input of the pid to hold: then the pid moves back and the other side is tried.) Four
-    tuples per message, so that the pid has new messages in most batches."""
+    """A replay's cutoff is where the sender's release batch begins, so its receiver starts as soon as
+    that batch is planned and never waits for it (decision 0037). The sender is frozen right after it
+    announced the release, before that batch commits: the receiver must acquire the pid all the same,
+    and once the sender is killed and evicted, the output must be exact. (The freeze can come too late,
+    after the batch committed: then the pid moves back and the other side is tried.)"""
     cfg = soak_config(load_config(), topic_prefix, seconds=300)
-    cfg = cfg.with_overrides(**{"generator.tuples_per_message": 4})
     with _scenario(cfg, kafka_bootstrap, tmp_path) as (pipeline, watch):
         sender = _pid_3_flowing(pipeline, watch, heartbeat_timeout_s=6.0)
         receiver = next(name for name in INSTANCES if name != sender)
@@ -122,12 +119,12 @@ def test_a_replay_sender_killed_before_its_release_batch_committed_leaves_the_ga
             watch.until(_acquired(move), 120, f"{receiver} acquiring pid 3")
             sender, receiver = receiver, sender
         else:
-            raise AssertionError("no release batch with a gap was frozen before it committed, in 5 tries")
-        pipeline.kill(sender, signal.SIGKILL)
-        owed = watch.until(lambda v: v.owes_gap(move) is not None, 90, f"the eviction of {sender}")
-        assert owed.owes_gap(move) is True, "the gap is the receiver's to emit"
-        taken = watch.until(_acquired(move), 120, f"{receiver} acquiring pid 3")
+            raise AssertionError("no release batch was frozen before it committed, in 5 tries")
+        taken = watch.until(_acquired(move), 120, f"{receiver} acquiring pid 3 from a frozen sender")
         assert taken.acquired[move].instance == receiver
+        assert taken.released[move].announced, "the sender's release batch committed while frozen"
+        pipeline.kill(sender, signal.SIGKILL)
+        watch.until(evicted(sender), 90, f"the eviction of {sender}")
         pipeline.start_instance(sender)
         watch.until(rejoined(sender), 120, f"{sender} rejoining")
 

@@ -18,7 +18,6 @@ from pipeline.partitioning import pids_of
 from pipeline.protocol import Handoff, Mode, MoveSpec
 from pipeline.source import (
     DROP_ROW,
-    PENDING_ROW,
     SILENT_ROW,
     TRACK_NEW,
     TRACK_ROW,
@@ -199,14 +198,14 @@ def test_a_parallel_track_is_announced_when_its_batch_is_planned(
     assert (released.cutoff, released.watermark, released.snapshot) == ({"A": 30, "B": 30}, 27, None)
 
 
-def test_a_replay_is_announced_at_its_plan_and_its_receiver_holds_the_gap(
+def test_a_replay_is_announced_at_its_plan_with_its_cutoff_where_the_batch_begins(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
     """Pid 1 moves by replay while 10 messages arrived since the last batch. The batch that releases it
-    reads them (offsets 30-39, the gap), and `Released` must reach the control log when the batch is
-    planned, with the cutoff (40), where the batch began (30) and the sender's incarnation. The receiver,
-    handed the pid with the gap pending, rebuilds the window up to 30 and reads the gap as `PENDING_ROW`
-    input, the output of which its sink holds until the log decides."""
+    reads none of them: its cutoff is where the batch begins (30), and `Released` must reach the
+    control log when the batch is planned, with that cutoff and the sender's incarnation. The receiver
+    rebuilds the window up to 30 and reads 30-39 as new input in its first batch, without waiting for
+    the sender's batch (decision 0037)."""
     cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
     ensure_topics(cfg, kafka_bootstrap)
     _produce_pid_1(cfg, kafka_bootstrap, 0, 30)
@@ -216,8 +215,8 @@ def test_a_replay_is_announced_at_its_plan_and_its_receiver_holds_the_gap(
     _produce_pid_1(cfg, kafka_bootstrap, 30, 40)
     out = MoveSpec(move_id="m-out", pid=1, source="here", target="there", mode=Mode.REPLAY)
     releasing = plan(owning, OwnedPids(epoch=1, pids=frozenset({0}), releasing={1: out}))
-    assert releasing["released"]["1"]["since"] == {"A": 30, "B": 30}
-    assert releasing["released"]["1"]["cutoff"] == {"A": 40, "B": 40}
+    assert releasing["released"]["1"]["cutoff"] == {"A": 30, "B": 30}
+    assert "1" not in releasing["offsets"]["A"], "the sender reads nothing more of the pid"
     log = ControlLog(kafka_bootstrap, cfg.control_topic)
     try:
         assert "m-out" not in log.catch_up().released
@@ -225,23 +224,21 @@ def test_a_replay_is_announced_at_its_plan_and_its_receiver_holds_the_gap(
         released = log.catch_up().released["m-out"]
     finally:
         log.close()
-    assert released.announced and released.gap and released.incarnation == "i1"
-    assert (released.since, released.cutoff) == ({"A": 30, "B": 30}, {"A": 40, "B": 40})
+    assert released.announced and not released.gap and released.incarnation == "i1"
+    assert released.cutoff == {"A": 30, "B": 30}
 
     receiver, receive = _planner(cfg, kafka_bootstrap, tmp_path / "receiver", **options)
-    handoff = Handoff(
-        move_id="m-out", mode=Mode.REPLAY, cutoff=released.cutoff, since=released.since, pending=True
-    )
+    handoff = Handoff(move_id="m-out", mode=Mode.REPLAY, cutoff=released.cutoff)
     first = receive(receiver.initialOffset(), OwnedPids(epoch=2, pids=frozenset({1}), handoffs={1: handoff}))
-    assert first["acquired"]["1"]["replay_from"] == {"A": 0, "B": 0}, "a window back from before the gap"
+    assert first["acquired"]["1"]["replay_from"] == {"A": 0, "B": 0}, "a window back from the cutoff"
     tasks = receiver.partitions(receiver.initialOffset(), first)
     table = pa.Table.from_batches([b for task in tasks for b in receiver.read(task)]).to_pandas()
     by_code = {int(code): sorted(rows["id"].tolist()) for code, rows in table.groupby("stream")}
     assert by_code == {
+        0: list(range(30, 40)),
+        1: list(range(30, 40)),
         WINDOW_ROW: list(range(30)),
         WINDOW_ROW + 1: list(range(30)),
-        PENDING_ROW: list(range(30, 40)),
-        PENDING_ROW + 1: list(range(30, 40)),
     }
 
 
