@@ -95,8 +95,6 @@ def plan_step(
                 cutoff=released.cutoff,
                 snapshot=released.snapshot,
                 watermark=released.watermark,
-                since=released.since if released.gap else None,
-                pending=released.gap,
             )
             if m.mode is Mode.PARALLEL_TRACK:
                 tracks[p] = m

@@ -111,7 +111,6 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
         .option("poll_ms", str(cfg.instance.poll_ms))
         .option("metrics_topic", cfg.metrics_topic)
         .option("instance", name)
-        .option("incarnation", incarnation)
         .option("watermarks", str(watermarks))
         .option("control_topic", cfg.control_topic)
         .load()

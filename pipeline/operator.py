@@ -19,10 +19,6 @@ track done 6      0                0                  side (1 old/2 new) 0      
 watermark  7      0                window watermark   0                0                     0
 =========  =====  ===============  =================  ===============  ====================  ==========
 
-A result, late or malformed row of a replay's gap (`PENDING_ROW` input: what the sender's uncommitted
-release batch reads) has its kind plus `KIND_PENDING`: the sink emits it as its plain kind or drops it,
-as the control log decides (`ControlView.owes_gap`).
-
 `state` rows are a released pid's window, exported for its new owner (handoff mode `transfer`); the
 `released` row closes every release, exported or not, and the beginning of a parallel-track overlap on
 the sender (whose watermark the receiver starts from). `track done`: in this batch the sender's last old
@@ -41,7 +37,6 @@ import pandas as pd
 
 from pipeline.join import (
     Part,
-    StepOutput,
     WindowState,
     begin_new_track,
     begin_old_track,
@@ -53,8 +48,6 @@ from pipeline.join import (
 from pipeline.source import (
     DROP_ROW,
     MALFORMED_STREAM,
-    PENDING_MALFORMED,
-    PENDING_ROW,
     RELEASE_ROW,
     SILENT_ROW,
     TRACK_NEW,
@@ -74,7 +67,6 @@ from pipeline.source import (
     KIND_TRACK_DONE,
     KIND_WATERMARK,
 ) = range(8)
-KIND_PENDING = 16
 STATE_SCHEMA = "window binary"
 
 
@@ -94,21 +86,6 @@ def _frame(kind: int, pid: int, key: Any, ts: Any, aux: Any, ids: list[Any], n: 
     for j, col in enumerate(ids):
         cols[f"id{j}"] = np.broadcast_to(np.asarray(col, dtype=np.int64), (n,))
     return pd.DataFrame(cols)
-
-
-def _output(pid: int, step: StepOutput, malformed: Part, kinds_from: int) -> Iterator[pd.DataFrame]:
-    """A join step's results and late tuples, and the malformed records of its input (a `Part` whose
-    ids are Kafka offsets, keys stream indexes and event times `Malformation` codes)."""
-    zeros = [0] * (len(step.late) - 1)
-    r = step.results
-    if len(r):
-        yield _frame(kinds_from + KIND_RESULT, pid, r.keys, r.max_ts, 0, list(r.ids), len(r))
-    for j, late in enumerate(step.late):
-        if len(late):
-            yield _frame(kinds_from + KIND_LATE, pid, late.keys, late.ts, j, [late.ids, *zeros], len(late))
-    if len(malformed):
-        m = malformed
-        yield _frame(kinds_from + KIND_MALFORMED, pid, m.keys, m.ts, 0, [m.ids, *zeros], len(m))
 
 
 def make_join_function(
@@ -149,15 +126,8 @@ def make_join_function(
             window = begin_old_track(window, allowed_lateness_ms)
             yield _frame(KIND_RELEASED, pid, 0, window.watermark, 0, [0, *zeros], 1)
         receiving = window.old_max is not None
-        if ((stream_col >= SILENT_ROW) & (stream_col < PENDING_ROW)).any():
-            # as the dead instance processed them; its output stands
+        if (stream_col >= SILENT_ROW).any():  # as the dead instance processed them; its output stands
             window = join_step(window, rows_of(SILENT_ROW), window_ms, allowed_lateness_ms).state
-        if (stream_col >= PENDING_ROW).any() or (stream_col == PENDING_MALFORMED).any():
-            # as the sender's release batch processes them, in one step: its output or this, not both
-            step = join_step(window, rows_of(PENDING_ROW), window_ms, allowed_lateness_ms)
-            window = step.state
-            bad = stream_col == PENDING_MALFORMED
-            yield from _output(pid, step, Part(ids[bad], keys[bad], ts[bad]), KIND_PENDING)
 
         new = rows_of(0)
         out = join_step(window, new, window_ms, allowed_lateness_ms)
@@ -171,8 +141,14 @@ def make_join_function(
             yield _frame(KIND_TRACK_DONE, pid, 0, 0, TRACK_NEW, [0, *zeros], 1)
         released = stream_col == RELEASE_ROW
         r = out.results
+        if len(r):
+            yield _frame(KIND_RESULT, pid, r.keys, r.max_ts, 0, list(r.ids), len(r))
+        for j, late in enumerate(out.late):
+            if len(late):
+                yield _frame(KIND_LATE, pid, late.keys, late.ts, j, [late.ids, *zeros], len(late))
         bad = stream_col == MALFORMED_STREAM
-        yield from _output(pid, out, Part(ids[bad], keys[bad], ts[bad]), 0)
+        if bad.any():
+            yield _frame(KIND_MALFORMED, pid, keys[bad], ts[bad], 0, [ids[bad], *zeros], int(bad.sum()))
 
         if released.any():
             exported = 0

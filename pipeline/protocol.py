@@ -14,10 +14,8 @@ A move of pid p from S to T takes two assignment epochs (an offset barrier, as i
    boundary, installs the window (from the snapshot, or by re-reading the input before the cutoff for
    `replay`) and continues at the cutoff; its batch commits `Acquired(p)`.
 
-A `replay` needs nothing from S's batch but its cutoff, known when S plans the batch: S announces
-`Released(p, since, cutoff)` then, and T starts while S's batch runs. T processes S's part, [since,
-cutoff), as S does and holds that output until the log shows S's batch committed (dropped) or S evicted
-first (emitted): `ControlView.owes_gap`.
+A `replay` needs nothing from S's batch but its cutoff, where that batch begins (S reads no more of p):
+S announces `Released(p, cutoff)` when it plans the batch, and T starts while S's batch runs.
 
 A `parallel_track` move (PTLB) replaces step 1's barrier by an overlap: S does not stop reading p; its
 batch at the boundary marks its window old and commits `Released(p, cutoff, watermark)` (announced
@@ -74,14 +72,9 @@ class Handoff:
     cutoff: Mapping[str, int]  # stream -> first offset the receiver reads
     snapshot: Snapshot | None = None  # transfer only
     watermark: int | None = None  # parallel_track only: the sender's watermark at the cutoff
-    # [since, cutoff) is input before the cutoff whose output another instance committed, or may commit:
-    # processed as that instance processed it, after the window is rebuilt up to `since`. Silently for a
-    # parallel track's recovery (the overlap began at `since`, the dead side's batches committed the rest);
-    # `pending` for a replay announced at the sender's plan (the sender's release batch reads
-    # [since, cutoff)): its output is held until the log tells whether that batch committed
-    # (`ControlView.owes_gap`).
+    # parallel_track recovery: the overlap began at `since`; [since, cutoff) is re-read silently (processed
+    # as the dead instance processed it, emitting nothing) before reading on from the cutoff.
     since: Mapping[str, int] | None = None
-    pending: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,9 +111,9 @@ class AssignmentMsg:
 class ReleasedMsg:
     """An instance stopped processing `pid`: everything before `cutoff` is in committed output.
 
-    `announced`: published when the batch that releases the pid was planned, outside its transaction.
-    Everything before `since` is in committed output then, and [since, cutoff) will be when that batch
-    commits (for a parallel track, and a sender that is behind, `since` is the cutoff)."""
+    `announced`: published when the batch that releases the pid was planned, outside its transaction
+    (a replay, or a parallel track whose watermark is known then). The cutoff is where that batch
+    begins, so everything before it is in committed output already."""
 
     instance: str
     epoch: int
@@ -129,15 +122,8 @@ class ReleasedMsg:
     cutoff: Mapping[str, int]
     snapshot: Snapshot | None = None
     watermark: int | None = None  # parallel_track: the receiver's lateness rule starts from it
-    incarnation: str | None = None
     announced: bool = False
-    since: Mapping[str, int] | None = None
     version: int = PROTOCOL_VERSION
-
-    @property
-    def gap(self) -> bool:
-        """Announced with input before the cutoff that only the uncommitted batch has processed."""
-        return self.announced and self.since is not None and dict(self.since) != dict(self.cutoff)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,7 +205,6 @@ def handoff_to_json(h: Handoff) -> dict[str, Any]:
         "snapshot": snapshot_to_json(h.snapshot),
         "watermark": h.watermark,
         "since": dict(h.since) if h.since is not None else None,
-        "pending": h.pending,
     }
 
 
@@ -230,13 +215,8 @@ def handoff_from_json(d: dict[str, Any]) -> Handoff:
         cutoff={s: int(o) for s, o in d["cutoff"].items()},
         snapshot=snapshot_from_json(d.get("snapshot")),
         watermark=d.get("watermark"),
-        since=_offsets(d.get("since")),
-        pending=bool(d.get("pending", False)),
+        since={s: int(o) for s, o in d["since"].items()} if d.get("since") is not None else None,
     )
-
-
-def _offsets(d: dict[str, Any] | None) -> dict[str, int] | None:
-    return {s: int(o) for s, o in d.items()} if d is not None else None
 
 
 def move_to_json(m: MoveSpec) -> dict[str, Any]:
@@ -272,9 +252,7 @@ def encode(msg: Message) -> bytes:
             "cutoff": dict(msg.cutoff),
             "snapshot": snapshot_to_json(msg.snapshot),
             "watermark": msg.watermark,
-            "incarnation": msg.incarnation,
             "announced": msg.announced,
-            "since": dict(msg.since) if msg.since is not None else None,
         }
     elif isinstance(msg, TrackDoneMsg):
         body = {
@@ -330,9 +308,7 @@ def decode(raw: bytes) -> Message:
                 cutoff={s: int(o) for s, o in d["cutoff"].items()},
                 snapshot=snapshot_from_json(d.get("snapshot")),
                 watermark=d.get("watermark"),
-                incarnation=d.get("incarnation"),
                 announced=bool(d.get("announced", False)),
-                since=_offsets(d.get("since")),
             )
         if kind == "track_done":
             return TrackDoneMsg(
@@ -368,10 +344,7 @@ class ControlView:
     """What the control log says now: the newest assignment, the acknowledgements by move id, the
     move requests, and every move id any assignment has started (so a request is served once).
 
-    `released` keeps one `Released` per move: the committed one once it is in, else the announced one.
-    `gaps_owed` names the moves whose sender was evicted between announcing a release with a gap and
-    committing it: their receiver emits the gap's output (`owes_gap`). The fold follows the log's
-    order, so every reader of the same log decides the same, and a decision never changes."""
+    `released` keeps one `Released` per move: the committed one once it is in, else the announced one."""
 
     assignment: AssignmentMsg | None = None
     released: Mapping[str, ReleasedMsg] = field(default_factory=dict)
@@ -379,7 +352,6 @@ class ControlView:
     track_done: Mapping[str, TrackDoneMsg] = field(default_factory=dict)  # by "move_id/side"
     requests: tuple[MoveRequestMsg, ...] = ()
     started: frozenset[str] = frozenset()
-    gaps_owed: frozenset[str] = frozenset()
 
     def apply(self, msg: Message) -> ControlView:
         """The view after one more message. Older epochs never replace a newer assignment."""
@@ -388,23 +360,10 @@ class ControlView:
                 return self
             ids = {m.move_id for m in [*msg.moving.values(), *msg.tracks.values()]}
             ids |= {h.move_id for h in [*msg.handoffs.values(), *msg.track_handoffs.values()]}
-            before = set(self.assignment.evicted) if self.assignment is not None else set()
-            owed = {
-                r.move_id
-                for r in self.released.values()
-                if r.gap and _names(r, [e for e in msg.evicted if e not in before])
-            }
-            released = {m: r for m, r in self.released.items() if m not in owed}
-            return replace(
-                self,
-                assignment=msg,
-                started=self.started | ids,
-                released=released,
-                gaps_owed=self.gaps_owed | owed,
-            )
+            return replace(self, assignment=msg, started=self.started | ids)
         if isinstance(msg, ReleasedMsg):
             known = self.released.get(msg.move_id)
-            if msg.move_id in self.gaps_owed or (msg.announced and known is not None and not known.announced):
+            if msg.announced and known is not None and not known.announced:
                 return self
             return replace(self, released={**self.released, msg.move_id: msg})
         if isinstance(msg, AcquiredMsg):
@@ -413,29 +372,12 @@ class ControlView:
             return replace(self, track_done={**self.track_done, msg.key: msg})
         return replace(self, requests=(*self.requests, msg))
 
-    def owes_gap(self, move_id: str) -> bool | None:
-        """Whether the receiver of a `pending` handoff emits its gap's output: False once the sender's
-        release batch committed, True once the sender was evicted first, None until the log says."""
-        if move_id in self.gaps_owed:
-            return True
-        released = self.released.get(move_id)
-        return False if released is not None and not released.announced else None
-
     def track_ended(self, move_id: str, side: str) -> bool:
         return track_key(move_id, side) in self.track_done
 
     def pending_requests(self) -> list[tuple[MoveRequestMsg, int]]:
         """(request, pid) pairs no assignment has started yet, in request order."""
         return [(r, p) for r in self.requests for p in r.pids if r.move_id(p) not in self.started]
-
-
-def _names(released: ReleasedMsg, evicted: Iterable[str]) -> bool:
-    """Whether one of these evictions ("instance@incarnation", "?" when never heard) names the sender."""
-    for entry in evicted:
-        name, _, incarnation = entry.partition("@")
-        if name == released.instance and incarnation in ("?", released.incarnation):
-            return True
-    return False
 
 
 def fold(messages: Iterable[Message], start: ControlView | None = None) -> ControlView:

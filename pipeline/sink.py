@@ -17,9 +17,7 @@ Handoffs ride the same transaction: a batch that releases pids writes their expo
 handoff topic and `Released` to the control topic; a batch that installs taken-over pids writes
 `Acquired`, and the end of a parallel-track overlap `TrackDone`. Before committing, the sink reads the
 control log to its end and aborts if a newer assignment lists this instance as evicted (it was declared
-dead and its pids recovered elsewhere): a stale owner can neither emit nor acknowledge. A batch that
-takes a pid over by a replay announced at the sender's plan holds the output of the sender's part (the
-gap) until the control log shows whether the sender's batch committed it (decision 0035).
+dead and its pids recovered elsewhere): a stale owner can neither emit nor acknowledge.
 
 After each commit the sink notes every kept pid's window watermark, with the offsets it has read up to,
 in a file the source reads when it plans a batch: a parallel track that begins where the last batch left
@@ -44,7 +42,6 @@ from pipeline.join import Part, WindowState, window_to_bytes
 from pipeline.operator import (
     KIND_LATE,
     KIND_MALFORMED,
-    KIND_PENDING,
     KIND_RELEASED,
     KIND_RESULT,
     KIND_STATE,
@@ -52,7 +49,7 @@ from pipeline.operator import (
     KIND_TRACK_DONE,
     KIND_WATERMARK,
 )
-from pipeline.protocol import AcquiredMsg, ControlView, ReleasedMsg, Snapshot, TrackDoneMsg, handoff_from_json
+from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, TrackDoneMsg, handoff_from_json
 from pipeline.source import TRACK_OLD, write_watermarks
 from pipeline.topics import partition_offsets, read_topic
 
@@ -162,9 +159,7 @@ class ExactlyOnceSink:
         table: pa.Table = batch_df.toArrow()
         offsets = read_logged_offsets(self.checkpoint, batch_id)
         columns = {name: table.column(name).to_numpy() for name in table.column_names}
-        waiting = time.monotonic()
-        kind = self._settle_gaps(offsets, columns, columns.get("kind", np.empty(0, dtype=np.int8)))
-        started += time.monotonic() - waiting  # waiting on another instance is not this batch's work
+        kind = columns.get("kind", np.empty(0, dtype=np.int8))
 
         self.producer.begin_transaction()
         results = self._produce_results(columns, kind == KIND_RESULT)
@@ -182,46 +177,13 @@ class ExactlyOnceSink:
         self.producer.produce(self.cfg.sink_commits_topic, key=self.instance, value=json.dumps(marker))
         metrics = self._metrics(batch_id, offsets, columns, kind, started, results, late, malformed)
         self.producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(metrics))
-        evicted_in = self._evicted_in(self.control.catch_up(), offsets)
+        evicted_in = self._evicted_in(offsets)
         if evicted_in is not None:
             self.producer.abort_transaction(60)
             raise Fenced(f"{self.instance} was declared dead in epoch {evicted_in}; not committing")
         self.producer.commit_transaction(60)
         self.last_batch = batch_id
         self._note_watermarks(offsets, columns, kind)
-
-    def _settle_gaps(
-        self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray
-    ) -> np.ndarray:
-        """The batch's kinds with each replay gap's output (`KIND_PENDING`, `Handoff.pending`) settled:
-        its plain kind where the sender was evicted before its release batch committed, -1 (left out)
-        where that batch committed. Waits until the control log tells which; meanwhile this instance's
-        output waits too, for as long as the sender's batch runs (or until it is declared dead)."""
-        pending = kind >= KIND_PENDING
-        if not pending.any():
-            return kind
-        settled = kind.copy()
-        for p, acquired in offsets.get("acquired", {}).items():
-            rows = pending & (columns["pid"] == int(p))
-            if rows.any():
-                owed = self._owes_gap(handoff_from_json(acquired["handoff"]).move_id, p, offsets)
-                settled[rows] = kind[rows] - KIND_PENDING if owed else -1
-        return settled
-
-    def _owes_gap(self, move_id: str, pid: str, offsets: dict[str, Any]) -> bool:
-        said = time.monotonic()
-        while (owed := (view := self.control.catch_up()).owes_gap(move_id)) is None:
-            evicted_in = self._evicted_in(view, offsets)
-            if evicted_in is not None:
-                raise Fenced(f"{self.instance} was declared dead in epoch {evicted_in}; not committing")
-            if time.monotonic() - said > 10:
-                print(
-                    f"{self.instance}: pid {pid}: waiting for its sender's release batch to commit",
-                    flush=True,
-                )
-                said = time.monotonic()
-            time.sleep(0.02)
-        return owed
 
     def _note_watermarks(
         self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray
@@ -240,9 +202,9 @@ class ExactlyOnceSink:
         }
         write_watermarks(self.watermarks_path, noted)
 
-    def _evicted_in(self, view: ControlView, offsets: dict[str, Any]) -> int | None:
-        """The epoch of a newer assignment in `view` evicting this incarnation (its pids went elsewhere)."""
-        newest = view.assignment
+    def _evicted_in(self, offsets: dict[str, Any]) -> int | None:
+        """The epoch of a newer assignment that evicts this incarnation (its pids went elsewhere)."""
+        newest = self.control.catch_up().assignment
         if newest is None or newest.epoch <= offsets["epoch"]:
             return None
         names = {f"{self.instance}@{self.incarnation}", f"{self.instance}@?"}  # "?": never heard
@@ -272,7 +234,6 @@ class ExactlyOnceSink:
                 cutoff=released["cutoff"],
                 snapshot=snapshot,
                 watermark=watermark,
-                incarnation=self.incarnation,
             )
             publish(self.producer, self.cfg.control_topic, msg)
         ended = kind == KIND_TRACK_DONE

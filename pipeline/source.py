@@ -57,10 +57,6 @@ TRACK_OLD, TRACK_NEW = 1, 2
 DROP_ROW = -5  # the window this instance still holds for the pid is stale: dropped before anything else
 WINDOW_ROW = 16  # WINDOW_ROW + j: a window tuple of stream j to install, not to join
 SILENT_ROW = 32  # SILENT_ROW + j: a tuple of stream j a dead instance processed: processed again, silently
-# PENDING_ROW + j: a tuple of stream j a replay's sender reads in its uncommitted release batch: processed,
-# its output held until the log decides whether the sender's batch committed (`ControlView.owes_gap`)
-PENDING_ROW = 48
-PENDING_MALFORMED = -6  # a malformed record among them
 _READ_TIMEOUT_S = 60.0
 SAMPLE_EVERY_S = 30.0
 # An instance is behind when more input waits than arrives in this many trigger intervals (and at least
@@ -185,7 +181,7 @@ Offsets = dict[str, dict[str, int]]  # stream -> str(pid) -> next offset to read
 class PidRange:
     """One pid's slice of one stream for a batch: Kafka offsets [start, end). A `window` range is input
     re-read to rebuild a taken-over pid's window (replay): installed, never joined or dead-lettered.
-    A `silent` or `pending` range is input another instance processed before the cutoff (`Handoff.since`)."""
+    A `silent` range is input a dead instance processed before the cutoff (`Handoff.since`)."""
 
     stream_index: int
     topic: str
@@ -194,7 +190,6 @@ class PidRange:
     end: int
     window: bool = False
     silent: bool = False
-    pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,8 +302,8 @@ class FluxjoinSource(DataSource):
     `lateness_ms` (how far back a replayed window reaches), `trigger_ms` (the time between batches:
     how much waiting input makes the instance behind), `poll_ms` (the query's trigger when shorter: how
     soon a move step gets its batch), `watermarks` (path of the file the sink notes
-    windows' watermarks in), `control_topic` (where a replay's or a parallel track's `Released` goes at
-    the plan) and `incarnation` (the instance's, named in that `Released`)."""
+    windows' watermarks in) and `control_topic` (where a replay's or a parallel track's `Released`
+    goes at the plan)."""
 
     @classmethod
     def name(cls) -> str:
@@ -372,7 +367,6 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         metrics, instance = options.get("metrics_topic"), options.get("instance")
         self.report = ReadReport(metrics, instance) if metrics and instance else None
         self.instance = instance or ""
-        self.incarnation = options.get("incarnation")
         self.watermarks_path = Path(options["watermarks"]) if "watermarks" in options else None
         self.control_topic = options.get("control_topic")
         self._admin: Any = None
@@ -490,8 +484,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 continue
             for s in self.streams:
                 keep[s][str(p)] = handoff.cutoff[s]
-            rebuilt_to = handoff.since if handoff.since is not None else handoff.cutoff
-            replay = self._replay_from(p, rebuilt_to) if handoff.mode is Mode.REPLAY else None
+            replay = self._replay_from(p, handoff.cutoff) if handoff.mode is Mode.REPLAY else None
             acquired[str(p)] = {"handoff": handoff_to_json(handoff), "replay_from": replay}
             if handoff.mode is Mode.PARALLEL_TRACK:
                 assert handoff.watermark is not None, "a parallel_track handoff carries the watermark"
@@ -573,7 +566,6 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         moves_out = any(r["move_id"] and not r["announce"] for r in plan["released"].values())
         end, next_pid = self._read_up_to(begin, limit, int(start.get("next_pid", 0)), moves_out)
         for p in leaving:  # read on in this batch: its output up to the cutoff commits with it
-            plan["released"][p]["since"] = plan["released"][p]["cutoff"]
             plan["released"][p]["cutoff"] = {s: end[s][p] for s in self.streams}
         plan["from"] = {  # pids entering where the start offset does not say (a returning one: elsewhere)
             s: {p: o for p, o in held[s].items() if start["offsets"].get(s, {}).get(p) != o} for s in held
@@ -692,8 +684,9 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                         PidRange(i, self.topics[i], int(p), a["replay_from"][s], window_end[s], True)
                     )
                 if window_end[s] < handoff.cutoff[s]:
-                    gap = (i, self.topics[i], int(p), window_end[s], handoff.cutoff[s])
-                    replays.append(PidRange(*gap, silent=not handoff.pending, pending=handoff.pending))
+                    replays.append(
+                        PidRange(i, self.topics[i], int(p), window_end[s], handoff.cutoff[s], silent=True)
+                    )
         markers = tuple((int(p), int(c), int(k), int(t)) for p, c, k, t in end.get("markers", []))
         if releases or snapshots or replays or markers:
             work = HandoffWork(releases, tuple(snapshots), markers)
@@ -705,11 +698,10 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         watermark the plan knows.
 
         Spark plans a batch's partitions after it has logged the batch's offsets, so the cutoff is
-        certain, in this batch or its replay, and the receiver may start while the batch runs. A replay's
-        receiver rebuilds the window up to where this batch began (`since`) and processes the batch's
-        part of the pid itself, holding that output until the log shows this batch committed (then it
-        is dropped) or this instance evicted first (then it is emitted). The sink publishes the same
-        message again with the batch, as for every release; the controller's view keeps one per move."""
+        certain, in this batch or its replay, and the receiver may start while the batch runs. The
+        cutoff is where this batch begins and the batch reads nothing of the pid, so whether it ever
+        commits changes nothing the receiver does (decision 0037). The sink publishes the same message
+        again with the batch, as for every release; the controller's view keeps one per move."""
         announced = [(p, r) for p, r in end.get("released", {}).items() if r.get("announce") and r["move_id"]]
         if not announced or self.control_topic is None:
             return
@@ -725,9 +717,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 cutoff=r["cutoff"],
                 snapshot=None,
                 watermark=r.get("watermark"),
-                incarnation=self.incarnation,
                 announced=True,
-                since=r.get("since", r["cutoff"]),
             )
             publish(producer, self.control_topic, msg)
         if producer.flush(30):
@@ -981,11 +971,9 @@ def _to_arrow(
     keys = [c[1] for c in cols] + [np.full(len(bad), r.stream_index, dtype=np.int64)]
     ts = [c[2] for c in cols] + [np.array([code for _, code in bad], dtype=np.int64)]
     n_good = sum(len(c[0]) for c in cols)
-    code = r.stream_index + (
-        WINDOW_ROW if r.window else SILENT_ROW if r.silent else PENDING_ROW if r.pending else 0
-    )
+    code = r.stream_index + (WINDOW_ROW if r.window else SILENT_ROW if r.silent else 0)
     stream = np.full(n_good + len(bad), code, dtype=np.int8)
-    stream[n_good:] = PENDING_MALFORMED if r.pending else MALFORMED_STREAM
+    stream[n_good:] = MALFORMED_STREAM
     return pa.RecordBatch.from_arrays(
         [
             pa.array(np.full(len(stream), r.pid, dtype=np.int32)),

@@ -68,7 +68,7 @@ def test_a_move_goes_in_transit_then_to_the_target_then_settles() -> None:
     assert step(view, requested=[MOVE]) is None, "a started move is never started again"
 
 
-def test_a_replay_announced_with_a_gap_is_handed_over_with_the_gap_pending() -> None:
+def test_a_replay_announced_at_its_plan_is_handed_over_at_once() -> None:
     replay = replace(MOVE, mode=Mode.REPLAY)
     view = fold([START])
     first = step(view, requested=[replay])
@@ -79,18 +79,11 @@ def test_a_replay_announced_with_a_gap_is_handed_over_with_the_gap_pending() -> 
         pid=1,
         move_id="m1",
         cutoff={"A": 9, "B": 9},
-        incarnation="ia",
         announced=True,
-        since={"A": 5, "B": 6},
     )
     second = step(view.apply(first).apply(announced))
     assert second is not None and second.owners[1] == "b"
-    assert second.handoffs[1] == Handoff(
-        move_id="m1", mode=Mode.REPLAY, cutoff={"A": 9, "B": 9}, since={"A": 5, "B": 6}, pending=True
-    )
-    committed_first = step(view.apply(first).apply(replace(announced, announced=False, since=None)))
-    assert committed_first is not None
-    assert committed_first.handoffs[1] == Handoff(move_id="m1", mode=Mode.REPLAY, cutoff={"A": 9, "B": 9})
+    assert second.handoffs[1] == Handoff(move_id="m1", mode=Mode.REPLAY, cutoff={"A": 9, "B": 9})
 
 
 def test_moves_of_unowned_pids_or_to_dead_targets_are_not_started() -> None:

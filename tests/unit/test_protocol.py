@@ -31,9 +31,7 @@ ANNOUNCED = ReleasedMsg(
     pid=3,
     move_id="m1",
     cutoff={"A": 9},
-    incarnation="ia",
     announced=True,
-    since={"A": 4},
 )
 
 
@@ -55,16 +53,6 @@ ANNOUNCED = ReleasedMsg(
             ReleasedMsg(instance="a", epoch=5, pid=3, move_id="m1", cutoff={"A": 1}), id="released-replay"
         ),
         pytest.param(ANNOUNCED, id="released-announced"),
-        pytest.param(
-            AssignmentMsg(
-                epoch=6,
-                owners={3: "b"},
-                handoffs={
-                    3: Handoff(move_id="m1", mode=Mode.REPLAY, cutoff={"A": 9}, since={"A": 4}, pending=True)
-                },
-            ),
-            id="pending-handoff",
-        ),
         pytest.param(AcquiredMsg(instance="b", epoch=6, pid=3, move_id="m1"), id="acquired"),
         pytest.param(MoveRequestMsg(request_id="r", pids=(1, 2), target="c", mode=Mode.REPLAY), id="request"),
     ],
@@ -117,32 +105,10 @@ def test_pids_of_lists_only_owned_pids() -> None:
     assert msg.pids_of("a") == frozenset({0, 2})
 
 
-COMMITTED = replace(ANNOUNCED, announced=False, since=None)
-EVICTS_A = AssignmentMsg(epoch=3, owners={3: "b"}, evicted=("a@ia",))
+COMMITTED = replace(ANNOUNCED, announced=False)
 
 
 def test_a_committed_release_outranks_its_announcement_in_either_order() -> None:
-    assert ANNOUNCED.gap and not COMMITTED.gap
     for order in ([ANNOUNCED, COMMITTED], [COMMITTED, ANNOUNCED]):
         view = fold([AssignmentMsg(epoch=2, owners={3: "b"}), *order])
         assert view.released == {"m1": COMMITTED}
-        assert view.owes_gap("m1") is False, "the sender's batch committed the gap's output"
-
-
-def test_a_sender_evicted_before_committing_leaves_the_gap_to_the_receiver_for_good() -> None:
-    view = fold([AssignmentMsg(epoch=2, owners={3: "b"}), ANNOUNCED])
-    assert view.owes_gap("m1") is None, "undecided until the log says"
-    view = view.apply(EVICTS_A)
-    assert view.owes_gap("m1") is True and "m1" not in view.released
-    view = view.apply(COMMITTED)  # a commit after the eviction (a fenced sender): too late
-    assert view.owes_gap("m1") is True and "m1" not in view.released
-
-
-def test_only_an_eviction_of_the_senders_incarnation_decides_and_only_over_a_gap() -> None:
-    others = AssignmentMsg(epoch=3, owners={3: "b"}, evicted=("a@older", "c@ic"))
-    assert fold([ANNOUNCED, others]).owes_gap("m1") is None
-    never_heard = AssignmentMsg(epoch=3, owners={3: "b"}, evicted=("a@?",))
-    assert fold([ANNOUNCED, never_heard]).owes_gap("m1") is True
-    at_cutoff = replace(ANNOUNCED, since={"A": 9})  # a sender that read nothing more: no gap
-    view = fold([at_cutoff, EVICTS_A])
-    assert view.released == {"m1": at_cutoff} and view.owes_gap("m1") is None
