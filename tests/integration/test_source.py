@@ -203,9 +203,9 @@ def test_a_replay_is_announced_at_its_plan_with_its_cutoff_where_the_batch_begin
 ) -> None:
     """Pid 1 moves by replay while 10 messages arrived since the last batch. The batch that releases it
     reads none of them: its cutoff is where the batch begins (30), and `Released` must reach the
-    control log when the batch is planned, with that cutoff. The receiver
-    rebuilds the window up to 30 and reads 30-39 as new input in its first batch, without waiting for
-    the sender's batch (decision 0037)."""
+    control log when the batch is planned, with that cutoff. The receiver rebuilds the window up to 30
+    and reads 30-39 as new input in its first batch, without waiting for the sender's batch (decision
+    0037)."""
     cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
     ensure_topics(cfg, kafka_bootstrap)
     _produce_pid_1(cfg, kafka_bootstrap, 0, 30)
