@@ -354,9 +354,9 @@ FLUX_SKEW_MODE = "replay"
 """Flux's moves run as replays (decision 0036). A transfer pauses the moved pid, a hot one carrying
 many results, for about three 4 s triggers. A parallel track never pauses it, but its donor goes on
 joining the pid's new tuples with the old ones for a window, so the relief comes W after the move.
-A replay announced at its plan (decision 0035) pauses the pid for less than a batch and relieves the
-donor at once: side by side at 2,000 tuples/s, flux's p99 was 8.0 s with replays and 10.2 s with
-parallel tracks."""
+A replay pauses the pid for about two batch intervals (decisions 0035, 0037) and relieves the donor
+at once: side by side at 2,000 tuples/s, flux's p99 was 8.0 s with replays and 10.2 s with parallel
+tracks."""
 FLUX_SKEW_MOVES_PER_PAIR = 8
 """Flux may move up to this many pids per pair and round (decision 0012): the hot set is 13 pids."""
 FLUX_SKEW_MIN_MOVE_SHARE = 0.25
