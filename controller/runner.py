@@ -10,7 +10,6 @@ without executing them.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,8 +19,8 @@ from controller.rounds import PolicyRounds
 from pipeline.config import Config
 
 TICK_S = 0.1
-"""A move's next step waits up to a tick after the acknowledgement of the one before arrives: on the
-pause of a moved pid, every tick counts (decision 0034)."""
+"""The longest wait between two steps; a control message (a move's acknowledgement) ends the wait when
+it arrives: on the pause of a moved pid, every tick counts (decisions 0034, 0038)."""
 
 
 def instance_names(count: int) -> list[str]:
@@ -60,6 +59,6 @@ def run_controller(
                 if not decision.moves and decision.reason != last_reason:
                     say(f"policy {policy_name}: no move ({decision.reason})")
                 last_reason = decision.reason
-            time.sleep(TICK_S)
+            mover.log.await_news(TICK_S)
     finally:
         mover.close()

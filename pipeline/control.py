@@ -55,18 +55,29 @@ class ControlLog:
                     raise TimeoutError(f"control log not readable up to offset {high}")
                 # A short wait: consume returns early only with all the messages asked for, and the
                 # transaction markers among the offsets below `high` are never delivered.
-                for msg in self._consumer.consume(num_messages=1000, timeout=0.01):
-                    if msg.error() is not None:
-                        continue
-                    self._next = (msg.offset() or 0) + 1
-                    try:
-                        self.view = self.view.apply(decode(msg.value() or b""))
-                    except ProtocolError as exc:
-                        print(f"ignoring control message at offset {msg.offset()}: {exc}", flush=True)
+                self._fold(self._consumer.consume(num_messages=1000, timeout=0.01))
                 if self._consumer.position([TopicPartition(self._tp.topic, 0)])[0].offset >= high:
                     # only transaction markers were left
                     self._next = max(self._next, high)
             return self.view
+
+    def await_news(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the next message and fold it in (a caller then catches up): a
+        follower takes a move's step when it is committed, not at its next poll (decision 0038)."""
+        with self._lock:
+            got = self._consumer.consume(num_messages=1, timeout=timeout_s)
+            self._fold(got)
+            return bool(got)
+
+    def _fold(self, messages: list[Any]) -> None:
+        for msg in messages:
+            if msg.error() is not None:
+                continue
+            self._next = (msg.offset() or 0) + 1
+            try:
+                self.view = self.view.apply(decode(msg.value() or b""))
+            except ProtocolError as exc:
+                print(f"ignoring control message at offset {msg.offset()}: {exc}", flush=True)
 
     def add_own(self, msg: AssignmentMsg) -> ControlView:
         """Fold in an assignment this process has just published (flushed), before the log shows it.
@@ -141,9 +152,10 @@ class InstanceFollower:
                 if time.monotonic() - last_beat >= beat_every_s:
                     self.heartbeat()
                     last_beat = time.monotonic()
+                self.log.await_news(period_s)
             except Exception as exc:  # keep following; the next round retries
                 print(f"{self.instance}: control follower: {exc!r}", flush=True)
-            self._stop.wait(period_s)
+                self._stop.wait(period_s)
 
     def stop(self) -> None:
         self._stop.set()

@@ -688,9 +688,10 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                         PidRange(i, self.topics[i], int(p), window_end[s], handoff.cutoff[s], silent=True)
                     )
         markers = tuple((int(p), int(c), int(k), int(t)) for p, c, k, t in end.get("markers", []))
-        if releases or snapshots or replays or markers:
+        if releases or snapshots or replays or markers:  # with the first task's reads: a task is a round trip
+            first = tasks[0].ranges if tasks else []
             work = HandoffWork(releases, tuple(snapshots), markers)
-            tasks.append(KafkaPidPartition(replays, self.partition_count, work))
+            tasks[:1] = [KafkaPidPartition([*first, *replays], self.partition_count, work, self.report)]
         return tasks
 
     def _announce_releases(self, end: dict) -> None:

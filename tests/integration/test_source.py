@@ -205,7 +205,7 @@ def test_a_replay_is_announced_at_its_plan_with_its_cutoff_where_the_batch_begin
     reads none of them: its cutoff is where the batch begins (30), and `Released` must reach the
     control log when the batch is planned, with that cutoff. The receiver rebuilds the window up to 30
     and reads 30-39 as new input in its first batch, without waiting for the sender's batch (decision
-    0037)."""
+    0037), in the same read task (decision 0038)."""
     cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
     ensure_topics(cfg, kafka_bootstrap)
     _produce_pid_1(cfg, kafka_bootstrap, 0, 30)
@@ -232,6 +232,7 @@ def test_a_replay_is_announced_at_its_plan_with_its_cutoff_where_the_batch_begin
     first = receive(receiver.initialOffset(), OwnedPids(epoch=2, pids=frozenset({1}), handoffs={1: handoff}))
     assert first["acquired"]["1"]["replay_from"] == {"A": 0, "B": 0}, "a window back from the cutoff"
     tasks = receiver.partitions(receiver.initialOffset(), first)
+    assert len(tasks) == 1, "the window's replay rides with the batch's reads: no task of its own"
     table = pa.Table.from_batches([b for task in tasks for b in receiver.read(task)]).to_pandas()
     by_code = {int(code): sorted(rows["id"].tolist()) for code, rows in table.groupby("stream")}
     assert by_code == {
