@@ -903,9 +903,10 @@ def measure_move_cost(
             }
         started = time.time() * 1000
         pipeline.kill(names[0], signal.SIGTERM)  # the global alternative: stop the query, start it again
+        stopped = time.time() * 1000  # the old process has exited: a batch after this is the new one's
         pipeline.start_instance(names[0])
         deadline = time.monotonic() + 300
-        while not any(t > started for t, _ in _pid_batches(records, 2)) and time.monotonic() < deadline:
+        while not any(t > stopped for t, _ in _pid_batches(records, 2)) and time.monotonic() < deadline:
             collect_for(1.0)  # until the restarted query reads pid 2 again
         collect_for(steady_s)
         out["restart"] = {
