@@ -22,6 +22,8 @@ import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -177,19 +179,26 @@ def watermark_at(noted: Mapping[str, Any], pid: int, cutoff: Mapping[str, int]) 
 Offsets = dict[str, dict[str, int]]  # stream -> str(pid) -> next offset to read
 
 
+class RangeKind(IntEnum):
+    """What a range's rows are, as the base of their `stream` code: new input, joined; input re-read to
+    rebuild a taken-over pid's window (replay), installed, never joined or dead-lettered; input a dead
+    instance processed before the cutoff (`Handoff.since`), processed again silently."""
+
+    INPUT = 0
+    WINDOW = WINDOW_ROW
+    SILENT = SILENT_ROW
+
+
 @dataclass(frozen=True, slots=True)
 class PidRange:
-    """One pid's slice of one stream for a batch: Kafka offsets [start, end). A `window` range is input
-    re-read to rebuild a taken-over pid's window (replay): installed, never joined or dead-lettered.
-    A `silent` range is input a dead instance processed before the cutoff (`Handoff.since`)."""
+    """One pid's slice of one stream for a batch: Kafka offsets [start, end)."""
 
     stream_index: int
     topic: str
     pid: int
     start: int
     end: int
-    window: bool = False
-    silent: bool = False
+    kind: RangeKind = RangeKind.INPUT
 
 
 @dataclass(frozen=True, slots=True)
@@ -679,14 +688,11 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 snapshots.append((int(p), handoff.snapshot))
             window_end = handoff.since if handoff.since is not None else handoff.cutoff
             for i, s in enumerate(self.streams):
+                pid_range = partial(PidRange, i, self.topics[i], int(p))
                 if a["replay_from"] is not None and a["replay_from"][s] < window_end[s]:
-                    replays.append(
-                        PidRange(i, self.topics[i], int(p), a["replay_from"][s], window_end[s], True)
-                    )
+                    replays.append(pid_range(a["replay_from"][s], window_end[s], RangeKind.WINDOW))
                 if window_end[s] < handoff.cutoff[s]:
-                    replays.append(
-                        PidRange(i, self.topics[i], int(p), window_end[s], handoff.cutoff[s], silent=True)
-                    )
+                    replays.append(pid_range(window_end[s], handoff.cutoff[s], RangeKind.SILENT))
         markers = tuple((int(p), int(c), int(k), int(t)) for p, c, k, t in end.get("markers", []))
         if releases or snapshots or replays or markers:  # with the first task's reads: a task is a round trip
             first = tasks[0].ranges if tasks else []
@@ -953,7 +959,7 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                         raise MalformedRecord(Malformation.WRONG_PARTITION, "key of another pid")
                     cols[into].append((ids, keys, ts))
                 except MalformedRecord as exc:
-                    if not (into.window or into.silent):  # re-read: reported when first read
+                    if into.kind is RangeKind.INPUT:  # a re-read was reported when first read
                         bad[into].append((off, int(exc.reason)))
         consumer.unassign()  # drops whatever was fetched beyond the ranges
         clean = True
@@ -972,7 +978,7 @@ def _to_arrow(
     keys = [c[1] for c in cols] + [np.full(len(bad), r.stream_index, dtype=np.int64)]
     ts = [c[2] for c in cols] + [np.array([code for _, code in bad], dtype=np.int64)]
     n_good = sum(len(c[0]) for c in cols)
-    code = r.stream_index + (WINDOW_ROW if r.window else SILENT_ROW if r.silent else 0)
+    code = r.stream_index + r.kind
     stream = np.full(n_good + len(bad), code, dtype=np.int8)
     stream[n_good:] = MALFORMED_STREAM
     return pa.RecordBatch.from_arrays(

@@ -26,6 +26,7 @@ from pipeline.source import (
     KafkaPidPartition,
     OwnedPids,
     PidRange,
+    RangeKind,
     read_ranges,
     write_assignment,
     write_watermarks,
@@ -91,8 +92,8 @@ def test_back_to_back_ranges_of_one_partition_are_each_read_whole(
         )
     assert producer.flush(30) == 0
 
-    window = PidRange(0, topic, 1, 2, 12, window=True)
-    silent = PidRange(0, topic, 1, 12, 20, silent=True)
+    window = PidRange(0, topic, 1, 2, 12, RangeKind.WINDOW)
+    silent = PidRange(0, topic, 1, 12, 20, RangeKind.SILENT)
     later = PidRange(0, topic, 1, 25, 28)  # after a gap: offsets 20-24 belong to no range
     batches = list(read_ranges(kafka_bootstrap, [silent, later, window], PARTITIONS))
 
