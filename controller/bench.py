@@ -812,6 +812,12 @@ def _acquired(log: Any, move_id: str) -> bool:
     return move_id in log.catch_up().acquired
 
 
+def _settled(log: Any) -> bool:
+    """No move in flight and no parallel track open: the assignment of record is at rest."""
+    a = log.catch_up().assignment
+    return a is not None and not (a.moving or a.handoffs or a.tracks or a.track_handoffs)
+
+
 def p99_of_pids(
     records: list[dict[str, Any]], start_ms: float, end_ms: float, moved: int | None = None
 ) -> float | None:
@@ -842,12 +848,30 @@ def medians_of(samples: list[dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
+def ratio_to(value: float | None, steady: float | None) -> float | None:
+    """`value` as a multiple of its steady-state figure, or None when either is unknown."""
+    return round(value / steady, 2) if value is not None and steady else None
+
+
+def spell_figures(records: list[dict[str, Any]], start_ms: float, end_ms: float) -> dict[str, Any]:
+    """A quiet spell's yardsticks: the p99 of every pid, the batch interval and the work per second."""
+    return {
+        "p99_s": p99_of_pids(records, start_ms, end_ms),
+        "batch_interval_s": batch_interval_s(records, start_ms, end_ms),
+        "busy_per_s": busy_per_s(records, start_ms, end_ms),
+    }
+
+
 def measure_move_cost(
     cfg: Config, bootstrap: str, work: Path, steady_s: float, say: Callable[[str], None]
 ) -> dict[str, Any]:
     """After the window has filled: `MOVES_PER_MODE` moves by transfer, by replay and by parallel track,
-    then a restart of instance-0's query (the stop-the-world alternative), each followed by a quiet
-    spell."""
+    then a restart of instance-0's query (the stop-the-world alternative).
+
+    Each step is compared with the quiet spell just before it (decision 0039): a spell's p99 is about
+    its slowest batch, and one steady spell measured minutes earlier drifted from the moves' spells by
+    as much as the 1.2x the issue allows. A quiet spell begins once the previous move has settled (a
+    parallel track stays open until the sender's old tuples have left the window)."""
     import signal
 
     from controller.moves import request_moves
@@ -859,12 +883,20 @@ def measure_move_cost(
     follower = MetricsFollower(pipeline.cfg, bootstrap)
     log = ControlLog(bootstrap, cfg.control_topic)
     records: list[dict[str, Any]] = []
+    spells: list[dict[str, Any]] = []
 
     def collect_for(seconds: float) -> None:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             records.extend(r for r in follower.poll() if r.get("kind") == "batch")
             pipeline.check_alive()
+
+    def quiet_spell() -> dict[str, Any]:
+        wait_for(partial(_settled, log), 120, "the previous move to settle")
+        start = time.time() * 1000
+        collect_for(steady_s)
+        spells.append(spell_figures(records, start, time.time() * 1000))
+        return spells[-1]
 
     out: dict[str, Any] = {}
     names = instance_names(2)
@@ -873,34 +905,36 @@ def measure_move_cost(
         start_warm(pipeline, follower, warm_up, "static")
         records.extend(r for r in warm_up if r.get("kind") == "batch")
         collect_for(cfg.window_ms / 1000 + 15)  # fill the window
-        steady_start = time.time() * 1000
-        collect_for(steady_s)
-        steady_end = time.time() * 1000
-        out["steady_p99_s"] = p99_of_pids(records, steady_start, steady_end)
-        out["steady_batch_interval_s"] = batch_interval_s(records, steady_start, steady_end)
-        out["steady_busy_per_s"] = busy_per_s(records, steady_start, steady_end)
         for pid, mode in ((0, Mode.TRANSFER), (1, Mode.REPLAY), (3, Mode.PARALLEL_TRACK)):
             moves: list[dict[str, Any]] = []
             for n in range(MOVES_PER_MODE):  # instance-0 to instance-1, back, and so on
+                steady = quiet_spell()
                 target = names[(n + 1) % 2]
                 started = time.time() * 1000
                 move_id = request_moves(cfg, bootstrap, [pid], target, mode).move_id(pid)
                 wait_for(partial(_acquired, log, move_id), 120, f"the {mode.value} move")
                 collect_for(steady_s)
                 ended = time.time() * 1000
+                others_p99 = p99_of_pids(records, started, ended, moved=pid)
+                busy = busy_per_s(records, started, ended)
                 moves.append(
                     {
                         "pause_s": pause_of(records, pid, started),
                         "to_target_s": to_target_s(records, pid, target, started),
-                        "others_p99_s": p99_of_pids(records, started, ended, moved=pid),
-                        "busy_per_s": busy_per_s(records, started, ended),
+                        "others_p99_s": others_p99,
+                        "others_p99_x": ratio_to(others_p99, steady["p99_s"]),
+                        "busy_per_s": busy,
+                        "busy_x": ratio_to(busy, steady["busy_per_s"]),
+                        "steady_p99_s": steady["p99_s"],
                     }
                 )
                 say(f"move-cost W={cfg.window_ms} ms {mode.value} move {n + 1}: {moves[-1]}")
             out[mode.value] = medians_of(moves) | {
                 "pause_max_s": max(m["pause_s"] for m in moves),
+                "others_p99_x_max": max((m["others_p99_x"] or 0.0) for m in moves),
                 "moves": moves,
             }
+        steady = quiet_spell()
         started = time.time() * 1000
         pipeline.kill(names[0], signal.SIGTERM)  # the global alternative: stop the query, start it again
         stopped = time.time() * 1000  # the old process has exited: a batch after this is the new one's
@@ -909,15 +943,18 @@ def measure_move_cost(
         while not any(t > stopped for t, _ in _pid_batches(records, 2)) and time.monotonic() < deadline:
             collect_for(1.0)  # until the restarted query reads pid 2 again
         collect_for(steady_s)
+        others_p99 = p99_of_pids(records, started, time.time() * 1000)
         out["restart"] = {
             "pause_s": pause_of(records, 2, started),
-            "others_p99_s": p99_of_pids(records, started, time.time() * 1000),
+            "others_p99_s": others_p99,
+            "others_p99_x": ratio_to(others_p99, steady["p99_s"]),
         }
         say(f"move-cost W={cfg.window_ms} ms restart: {out['restart']}")
     finally:
         log.close()
         follower.close()
         pipeline.stop()
+    out |= {f"steady_{k}": v for k, v in medians_of(spells).items()}  # the yardsticks of the quiet spells
     state = [
         sum(p["state_bytes"] for p in r["pids"].values()) for r in records if r["instance"] == "instance-0"
     ]
@@ -938,7 +975,9 @@ def run_move_cost_bench(
     summary: dict[str, Any] = {}
     with broker_unless(cfg.bootstrap) as bootstrap:
         for w in windows_ms:
-            seconds = w / 1000 + 15 + (3 * MOVES_PER_MODE + 2) * steady_s + 90
+            # Fill, a quiet spell and a spell after each move, the restart's; parallel tracks settle.
+            spells = 6 * MOVES_PER_MODE + 3
+            seconds = w / 1000 + 15 + spells * steady_s + MOVES_PER_MODE * w / 1000 + 90
             c = move_cost_config(cfg, f"{run_id}-w{w}", w, rate, seconds)
             summary[str(w)] = measure_move_cost(c, bootstrap, work / f"w{w}", steady_s, say)
         drop_run_topics(bootstrap, run_id, say)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.bench import batch_interval_s, busy_per_s, p99_of_pids, pause_of, to_target_s
+from controller.bench import (
+    batch_interval_s,
+    busy_per_s,
+    p99_of_pids,
+    pause_of,
+    ratio_to,
+    spell_figures,
+    to_target_s,
+)
 
 
 def _batch(instance: str, at_s: float, reads: dict[int, int], duration_s: float = 0.5) -> dict[str, Any]:
@@ -46,3 +54,16 @@ def test_the_p99_of_unmoved_pids_leaves_the_moved_one_out() -> None:
     assert p99_of_pids(records, 0, 3_000, moved=0) == 1.0
     assert p99_of_pids(records, 0, 3_000) == 50.0
     assert p99_of_pids(records, 1_500, 3_000, moved=1) is None, "no results of the others"
+
+
+def test_a_step_is_compared_with_its_quiet_spell() -> None:
+    assert ratio_to(1.2, 1.0) == 1.2
+    assert ratio_to(None, 1.0) is None, "no results in the step's spell"
+    assert ratio_to(1.0, None) is None and ratio_to(1.0, 0.0) is None, "no yardstick"
+
+
+def test_a_quiet_spells_figures_are_those_of_every_pid() -> None:
+    figures = spell_figures(RECORDS, 0, 10_500)
+    assert figures["batch_interval_s"] == 1.0
+    assert figures["busy_per_s"] == round(10 * 0.5 / 10.5, 3)
+    assert figures["p99_s"] is None, "these batches carry no latency samples"
