@@ -569,6 +569,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         if start["epoch"] == -1:
             self._probe()  # connected before a replay needs it: a fresh one's first read took 1 s
         plan = self._change_epoch(start, owned)
+        self._announce_releases(plan)
         held: Offsets = plan["offsets"]
         leaving = self._read_to_cutoff(start, plan["released"])
         begin = {s: {**held[s], **{p: start["offsets"][s][p] for p in leaving}} for s in self.streams}
@@ -661,7 +662,6 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return ReadMaxRows(self.max_rows)
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
-        self._announce_releases(end)
         begin = {s: {**start["offsets"].get(s, {}), **end.get("from", {}).get(s, {})} for s in self.streams}
         ranges = [
             PidRange(i, self.topics[i], int(p), begin[s][p], e)
@@ -700,16 +700,17 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             tasks[:1] = [KafkaPidPartition([*first, *replays], self.partition_count, work, self.report)]
         return tasks
 
-    def _announce_releases(self, end: dict) -> None:
-        """Publish `Released` for the moves out this batch plans: replays, and parallel tracks whose
-        watermark the plan knows.
+    def _announce_releases(self, plan: dict) -> None:
+        """Publish `Released` for the moves out this plan makes: replays, and parallel tracks whose
+        watermark the plan knows; as soon as the plan has them (decision 0040).
 
-        Spark plans a batch's partitions after it has logged the batch's offsets, so the cutoff is
-        certain, in this batch or its replay, and the receiver may start while the batch runs. The
-        cutoff is where this batch begins and the batch reads nothing of the pid, so whether it ever
+        Their cutoff is where this batch begins: the end of the last batch, which has committed before
+        Spark asks for the next one's offsets. So the cutoff is certain before Spark has logged this
+        plan: a query that stops before logging it plans the release again from the same offsets, and
+        the receiver may start at once. The batch reads nothing of a replayed pid, so whether it ever
         commits changes nothing the receiver does (decision 0037). The sink publishes the same message
         again with the batch, as for every release; the controller's view keeps one per move."""
-        announced = [(p, r) for p, r in end.get("released", {}).items() if r.get("announce") and r["move_id"]]
+        announced = [(p, r) for p, r in plan["released"].items() if r.get("announce") and r["move_id"]]
         if not announced or self.control_topic is None:
             return
         from pipeline.control import publish
@@ -718,7 +719,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         for p, r in announced:
             msg = ReleasedMsg(
                 instance=self.instance,
-                epoch=int(end["epoch"]),
+                epoch=int(plan["epoch"]),
                 pid=int(p),
                 move_id=r["move_id"],
                 cutoff=r["cutoff"],

@@ -158,9 +158,9 @@ def test_a_parallel_track_is_announced_when_its_batch_is_planned(
 ) -> None:
     """Pid 1 moves by parallel track from an instance whose sink noted pid 1's window watermark at the
     offsets the next batch starts from. `Released` must reach the control topic when that batch's
-    partitions are planned, with the cutoff and watermark the batch will begin the overlap at; the batch
-    itself reads on. Noted at other offsets, the watermark is not known before the batch runs, and
-    nothing is announced."""
+    offsets are planned (decision 0040), with the cutoff and watermark the batch will begin the overlap
+    at; the batch itself reads on. Noted at other offsets, the watermark is not known before the batch
+    runs, and nothing is announced."""
     cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
     ensure_topics(cfg, kafka_bootstrap)
     _produce_pid_1(cfg, kafka_bootstrap, 0, 30)
@@ -173,12 +173,18 @@ def test_a_parallel_track_is_announced_when_its_batch_is_planned(
     out = MoveSpec(move_id="m-out", pid=1, source="here", target="there", mode=Mode.PARALLEL_TRACK)
     moving = OwnedPids(epoch=1, pids=frozenset({0}), releasing={1: out})
 
-    write_watermarks(watermarks, {"1": {"watermark": 27, "offsets": {"A": 29, "B": 30}}})
-    unknown = plan(owning, moving)
-    assert unknown["released"]["1"]["track"] and "watermark" not in unknown["released"]["1"]
+    log = ControlLog(kafka_bootstrap, cfg.control_topic)
+    try:
+        write_watermarks(watermarks, {"1": {"watermark": 27, "offsets": {"A": 29, "B": 30}}})
+        unknown = plan(owning, moving)
+        assert unknown["released"]["1"]["track"] and "watermark" not in unknown["released"]["1"]
+        assert "m-out" not in log.catch_up().released, "announced without its watermark"
 
-    write_watermarks(watermarks, {"1": {"watermark": 27, "offsets": {"A": 30, "B": 30}}})
-    tracking = plan(owning, moving)
+        write_watermarks(watermarks, {"1": {"watermark": 27, "offsets": {"A": 30, "B": 30}}})
+        tracking = plan(owning, moving)
+        released = log.catch_up().released["m-out"]
+    finally:
+        log.close()
     assert tracking["released"]["1"] == {
         "move_id": "m-out",
         "export": False,
@@ -188,13 +194,6 @@ def test_a_parallel_track_is_announced_when_its_batch_is_planned(
         "watermark": 27,
     }
     assert tracking["offsets"]["A"]["1"] == 40, "the batch reads on"
-    log = ControlLog(kafka_bootstrap, cfg.control_topic)
-    try:
-        assert "m-out" not in log.catch_up().released, "announced before the batch was planned"
-        reader.partitions(owning, tracking)
-        released = log.catch_up().released["m-out"]
-    finally:
-        log.close()
     assert (released.instance, released.epoch, released.pid) == ("here", 1, 1)
     assert (released.cutoff, released.watermark, released.snapshot) == ({"A": 30, "B": 30}, 27, None)
 
@@ -204,9 +203,9 @@ def test_a_replay_is_announced_at_its_plan_with_its_cutoff_where_the_batch_begin
 ) -> None:
     """Pid 1 moves by replay while 10 messages arrived since the last batch. The batch that releases it
     reads none of them: its cutoff is where the batch begins (30), and `Released` must reach the
-    control log when the batch is planned, with that cutoff. The receiver rebuilds the window up to 30
-    and reads 30-39 as new input in its first batch, without waiting for the sender's batch (decision
-    0037), in the same read task (decision 0038)."""
+    control log as soon as the batch's offsets are planned (decision 0040), with that cutoff. The
+    receiver rebuilds the window up to 30 and reads 30-39 as new input in its first batch, without
+    waiting for the sender's batch (decision 0037), in the same read task (decision 0038)."""
     cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
     ensure_topics(cfg, kafka_bootstrap)
     _produce_pid_1(cfg, kafka_bootstrap, 0, 30)
@@ -215,16 +214,15 @@ def test_a_replay_is_announced_at_its_plan_with_its_cutoff_where_the_batch_begin
     owning = plan(reader.initialOffset(), OwnedPids(epoch=0, pids=frozenset({0, 1})))
     _produce_pid_1(cfg, kafka_bootstrap, 30, 40)
     out = MoveSpec(move_id="m-out", pid=1, source="here", target="there", mode=Mode.REPLAY)
-    releasing = plan(owning, OwnedPids(epoch=1, pids=frozenset({0}), releasing={1: out}))
-    assert releasing["released"]["1"]["cutoff"] == {"A": 30, "B": 30}
-    assert "1" not in releasing["offsets"]["A"], "the sender reads nothing more of the pid"
     log = ControlLog(kafka_bootstrap, cfg.control_topic)
     try:
         assert "m-out" not in log.catch_up().released
-        reader.partitions(owning, releasing)
+        releasing = plan(owning, OwnedPids(epoch=1, pids=frozenset({0}), releasing={1: out}))
         released = log.catch_up().released["m-out"]
     finally:
         log.close()
+    assert releasing["released"]["1"]["cutoff"] == {"A": 30, "B": 30}
+    assert "1" not in releasing["offsets"]["A"], "the sender reads nothing more of the pid"
     assert released.announced
     assert released.cutoff == {"A": 30, "B": 30}
 
