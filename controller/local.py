@@ -107,11 +107,21 @@ class LocalPipeline:
         self._spawn("controller", ["controller", *args])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Signal the process group of `name` and forget it (a deliberate kill is no failure)."""
+        """Signal `name` and forget it (a deliberate kill is no failure). SIGKILL goes to its process
+        group, so that an instance's JVM dies with it; any other signal to the process alone, as in
+        `stop`: an instance stops its query, then its JVM. Signalled as a group, the JVM's own shutdown
+        stopped Spark under the query's stop, and the instance logged a traceback."""
         proc = self.procs.pop(name, None)
         if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, sig)
-            proc.wait(30)
+            if sig == signal.SIGKILL:
+                os.killpg(proc.pid, sig)
+            else:
+                os.kill(proc.pid, sig)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         log = self.logs.pop(name, None)
         if log is not None:
             log.close()
