@@ -569,7 +569,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         if start["epoch"] == -1:
             self._probe()  # connected before a replay needs it: a fresh one's first read took 1 s
         plan = self._change_epoch(start, owned)
-        self._announce_releases(plan)
+        self._announce_releases(plan, tracks=False)
         held: Offsets = plan["offsets"]
         leaving = self._read_to_cutoff(start, plan["released"])
         begin = {s: {**held[s], **{p: start["offsets"][s][p] for p in leaving}} for s in self.streams}
@@ -662,6 +662,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return ReadMaxRows(self.max_rows)
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        self._announce_releases(end, tracks=True)
         begin = {s: {**start["offsets"].get(s, {}), **end.get("from", {}).get(s, {})} for s in self.streams}
         ranges = [
             PidRange(i, self.topics[i], int(p), begin[s][p], e)
@@ -700,17 +701,25 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             tasks[:1] = [KafkaPidPartition([*first, *replays], self.partition_count, work, self.report)]
         return tasks
 
-    def _announce_releases(self, plan: dict) -> None:
-        """Publish `Released` for the moves out this plan makes: replays, and parallel tracks whose
-        watermark the plan knows; as soon as the plan has them (decision 0040).
+    def _announce_releases(self, plan: dict, tracks: bool) -> None:
+        """Publish `Released` for the moves out this plan makes, before the batch commits: replays as
+        soon as the plan has their cutoff (`tracks` false, from `latestOffset`), parallel tracks whose
+        watermark the plan knows once Spark has logged the plan (`tracks` true, from `partitions`).
 
-        Their cutoff is where this batch begins: the end of the last batch, which has committed before
-        Spark asks for the next one's offsets. So the cutoff is certain before Spark has logged this
-        plan: a query that stops before logging it plans the release again from the same offsets, and
-        the receiver may start at once. The batch reads nothing of a replayed pid, so whether it ever
-        commits changes nothing the receiver does (decision 0037). The sink publishes the same message
-        again with the batch, as for every release; the controller's view keeps one per move."""
-        announced = [(p, r) for p, r in plan["released"].items() if r.get("announce") and r["move_id"]]
+        Both cutoffs are where this batch begins: the end of the last batch, which has committed
+        before Spark asks for the next one's offsets. A replay's is certain before Spark logs the
+        plan: a query that stops before logging it plans the release again from the same offsets, or,
+        once the pid is handed over, reads nothing of it (decision 0040). The batch reads nothing of a
+        replayed pid, so whether it ever commits changes nothing the receiver does (decision 0037). A
+        parallel track's old side lives in the logged plan (its `tracking` role): replanned after a
+        restart under the handoff's assignment, it would be lost while the receiver runs the new side.
+        The sink publishes the same message again with the batch, as for every release; the
+        controller's view keeps one per move."""
+        announced = [
+            (p, r)
+            for p, r in plan["released"].items()
+            if r.get("announce") and r["move_id"] and bool(r.get("track")) == tracks
+        ]
         if not announced or self.control_topic is None:
             return
         from pipeline.control import publish

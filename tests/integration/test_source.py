@@ -158,9 +158,10 @@ def test_a_parallel_track_is_announced_when_its_batch_is_planned(
 ) -> None:
     """Pid 1 moves by parallel track from an instance whose sink noted pid 1's window watermark at the
     offsets the next batch starts from. `Released` must reach the control topic when that batch's
-    offsets are planned (decision 0040), with the cutoff and watermark the batch will begin the overlap
-    at; the batch itself reads on. Noted at other offsets, the watermark is not known before the batch
-    runs, and nothing is announced."""
+    partitions are planned, after Spark has logged its offsets (not from `latestOffset`: the old side
+    lives in the logged plan, decision 0040), with the cutoff and watermark the batch will begin the
+    overlap at; the batch itself reads on. Noted at other offsets, the watermark is not known before
+    the batch runs, and nothing is announced."""
     cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
     ensure_topics(cfg, kafka_bootstrap)
     _produce_pid_1(cfg, kafka_bootstrap, 0, 30)
@@ -173,27 +174,28 @@ def test_a_parallel_track_is_announced_when_its_batch_is_planned(
     out = MoveSpec(move_id="m-out", pid=1, source="here", target="there", mode=Mode.PARALLEL_TRACK)
     moving = OwnedPids(epoch=1, pids=frozenset({0}), releasing={1: out})
 
+    write_watermarks(watermarks, {"1": {"watermark": 27, "offsets": {"A": 29, "B": 30}}})
+    unknown = plan(owning, moving)
+    assert unknown["released"]["1"]["track"] and "watermark" not in unknown["released"]["1"]
+
+    write_watermarks(watermarks, {"1": {"watermark": 27, "offsets": {"A": 30, "B": 30}}})
     log = ControlLog(kafka_bootstrap, cfg.control_topic)
     try:
-        write_watermarks(watermarks, {"1": {"watermark": 27, "offsets": {"A": 29, "B": 30}}})
-        unknown = plan(owning, moving)
-        assert unknown["released"]["1"]["track"] and "watermark" not in unknown["released"]["1"]
-        assert "m-out" not in log.catch_up().released, "announced without its watermark"
-
-        write_watermarks(watermarks, {"1": {"watermark": 27, "offsets": {"A": 30, "B": 30}}})
         tracking = plan(owning, moving)
+        assert tracking["released"]["1"] == {
+            "move_id": "m-out",
+            "export": False,
+            "announce": True,
+            "cutoff": {"A": 30, "B": 30},
+            "track": True,
+            "watermark": 27,
+        }
+        assert tracking["offsets"]["A"]["1"] == 40, "the batch reads on"
+        assert "m-out" not in log.catch_up().released, "announced before Spark logged the plan"
+        reader.partitions(owning, tracking)
         released = log.catch_up().released["m-out"]
     finally:
         log.close()
-    assert tracking["released"]["1"] == {
-        "move_id": "m-out",
-        "export": False,
-        "announce": True,
-        "cutoff": {"A": 30, "B": 30},
-        "track": True,
-        "watermark": 27,
-    }
-    assert tracking["offsets"]["A"]["1"] == 40, "the batch reads on"
     assert (released.instance, released.epoch, released.pid) == ("here", 1, 1)
     assert (released.cutoff, released.watermark, released.snapshot) == ({"A": 30, "B": 30}, 27, None)
 
