@@ -717,7 +717,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         controller's view keeps one per move."""
         announced = [
             (p, r)
-            for p, r in plan["released"].items()
+            for p, r in plan.get("released", {}).items()
             if r.get("announce") and r["move_id"] and bool(r.get("track")) == tracks
         ]
         if not announced or self.control_topic is None:
