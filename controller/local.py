@@ -37,6 +37,15 @@ def pid_spec(pids: range | list[int]) -> str:
     return ",".join(str(p) for p in pids)
 
 
+def _reap(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Wait for a signalled process; SIGKILL its group (an instance's JVM too) if it outlives the wait."""
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @dataclass
 class LocalPipeline:
     """A pipeline's processes. `work` holds the config, logs and the instances' checkpoints."""
@@ -117,11 +126,7 @@ class LocalPipeline:
                 os.killpg(proc.pid, sig)
             else:
                 os.kill(proc.pid, sig)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _reap(proc, 30)
         log = self.logs.pop(name, None)
         if log is not None:
             log.close()
@@ -163,11 +168,7 @@ class LocalPipeline:
                     os.kill(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
         for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _reap(proc, max(0.1, deadline - time.monotonic()))
         for log in self.logs.values():
             log.close()
         from controller.cpu_budget import remove_group
