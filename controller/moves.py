@@ -41,6 +41,10 @@ from pipeline.protocol import (
 )
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+TICK_S = 0.1
+"""The longest wait between two steps of the moves in flight; a control message (a move's
+acknowledgement) ends the wait when it arrives: on the pause of a moved pid, every tick counts
+(decisions 0034, 0038)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,6 +420,10 @@ class KafkaPidMover:
         done = list(self._finished)
         self._finished.clear()
         return done
+
+    def await_news(self) -> bool:
+        """Wait for the next control message, at most `TICK_S`; True when one came."""
+        return self.log.await_news(TICK_S)
 
     def ready_instances(self) -> set[str]:
         self.observer.poll()

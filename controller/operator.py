@@ -102,7 +102,12 @@ class PidMover(Protocol):
         ...
 
     def step(self) -> object:
-        """Advance the moves in flight (called once per round, before the mover's state is read)."""
+        """Advance the moves in flight (called every round before the mover's state is read, and
+        between rounds while moves are in flight)."""
+        ...
+
+    def await_news(self) -> bool:
+        """Wait briefly (at most a tenth of a second) for the pipeline's next control message."""
         ...
 
     def snapshot(self, interval_s: float, now_s: float, last_adaptation_s: float | None) -> Snapshot | None:
@@ -176,9 +181,23 @@ class LeaseElector:
     wall: Callable[[], datetime] = _utc_now
     _observed: tuple[Any, ...] | None = field(default=None, init=False)
     _observed_at: float = field(default=0.0, init=False)
+    _renewed_at: float | None = field(default=None, init=False)
 
     def acquire_or_renew(self) -> bool:
         """True when this candidate holds the Lease after the call."""
+        asked_at = self.clock()
+        held = self._acquire_or_renew()
+        self._renewed_at = asked_at if held else None
+        return held
+
+    def holds(self) -> bool:
+        """True while the last renewal, timed from before it was asked for, is younger than two thirds
+        of the Lease's duration. Another candidate takes over only after seeing the renewed record
+        unchanged for a whole duration, so until then this one still holds it (client-go's renew
+        deadline leaves the same margin)."""
+        return self._renewed_at is not None and self.clock() - self._renewed_at < self.duration_s * 2 / 3
+
+    def _acquire_or_renew(self) -> bool:
         try:
             lease = self._read()
         except ApiException as exc:
@@ -259,6 +278,7 @@ class LeaseElector:
 
     def release(self) -> None:
         """Give the Lease up (on shutdown) so that another replica takes over at once."""
+        self._renewed_at = None
         try:
             lease = self._read()
             if (lease.get("spec") or {}).get("holderIdentity") != self.identity:
@@ -358,9 +378,11 @@ class Operator:
     def run(self, period_s: float = 2.0) -> None:
         """Reconcile on every JoinPipeline change and at least every `period_s`, until `request_stop()`.
 
-        The periodic round is what notices the mover's changes (heartbeats, completed moves), which no
-        Kubernetes event announces; a round that keeps failing stops refreshing `healthy()`, so the
-        liveness probe restarts the pod.
+        Between rounds the moves in flight are stepped as their control messages arrive
+        (`_follow_moves`), and a completed move brings the next round forward; the periodic round is
+        what notices the mover's other changes (heartbeats, statistics), which no Kubernetes event
+        announces. A round that keeps failing stops refreshing `healthy()`, so the liveness probe
+        restarts the pod.
         """
         watcher = threading.Thread(target=self._watch, name="fluxjoin-watch", daemon=True)
         watcher.start()
@@ -370,13 +392,41 @@ class Operator:
                     self.step()
                 except Exception as exc:  # the API server is unreachable or the like: retry next round
                     log.warning("round failed: %s", exc)
-                self._wake.wait(period_s)
+                self._follow_moves(period_s)
                 self._wake.clear()
         finally:
             if self._elector is not None and self.metrics.leader:
                 self._elector.release()
             self.metrics.leader = False
             watcher.join(timeout=5)
+
+    def _follow_moves(self, period_s: float) -> None:
+        """Wait for the next round, stepping the movers that have moves in flight whenever their control
+        log has news, as the local controller does (decisions 0038, 0042).
+
+        The next round comes after `period_s`, on a JoinPipeline event, or as soon as a move completes,
+        so that its event, the status and the scaling plan's next step do not wait for the period. A
+        step between rounds can publish an assignment, so it is taken only while the Lease is surely
+        still held (`LeaseElector.holds`); a mover that fails waits for the next round, which reports
+        the failure on its pipeline.
+        """
+        deadline = time.monotonic() + period_s
+        while not self._wake.is_set() and (left := deadline - time.monotonic()) > 0:
+            counted = [(mover, len(mover.in_flight())) for mover in self._movers.values()]
+            moving = [(mover, count) for mover, count in counted if count]
+            if not moving or (self._elector is not None and not self._elector.holds()):
+                self._wake.wait(left)
+                return
+            try:
+                moving[0][0].await_news()  # the other pipelines' moves are stepped after every wait too
+                for mover, count in moving:
+                    mover.step()
+                    if len(mover.in_flight()) < count:
+                        self._wake.set()
+            except Exception as exc:
+                log.warning("stepping moves between rounds failed: %s", exc)
+                self._wake.wait(max(0.0, deadline - time.monotonic()))
+                return
 
     def request_stop(self) -> None:
         self._stopping.set()

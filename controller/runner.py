@@ -18,10 +18,6 @@ from controller.moves import KafkaPidMover
 from controller.rounds import PolicyRounds
 from pipeline.config import Config
 
-TICK_S = 0.1
-"""The longest wait between two steps; a control message (a move's acknowledgement) ends the wait when
-it arrives: on the pause of a moved pid, every tick counts (decisions 0034, 0038)."""
-
 
 def instance_names(count: int) -> list[str]:
     return [f"instance-{i}" for i in range(count)]
@@ -59,6 +55,6 @@ def run_controller(
                 if not decision.moves and decision.reason != last_reason:
                     say(f"policy {policy_name}: no move ({decision.reason})")
                 last_reason = decision.reason
-            mover.log.await_news(TICK_S)
+            mover.await_news()
     finally:
         mover.close()

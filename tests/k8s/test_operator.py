@@ -52,6 +52,9 @@ class RecordingMover:
     calls: list[tuple[str, Any]] = field(default_factory=list)
     done: list[FinishedMove] = field(default_factory=list)
     ticks: int = 0
+    complete_at_next_step: bool = False
+    """Set by a test: the next `step()` completes the moves (in the thread that steps, as a real
+    mover's step completes them when their last message has arrived)."""
     closed: bool = False
 
     def assignment(self) -> Assignment | None:
@@ -81,6 +84,13 @@ class RecordingMover:
 
     def step(self) -> None:
         self.ticks += 1
+        if self.complete_at_next_step:
+            self.complete_at_next_step = False
+            self.complete()
+
+    def await_news(self) -> bool:
+        time.sleep(0.02)
+        return False
 
     def instance_stats(self) -> Mapping[str, InstanceStats]:
         return self.stats
@@ -598,10 +608,8 @@ def test_only_the_lease_holder_reconciles_and_a_silent_leader_is_replaced(
     coordination = kubernetes.client.CoordinationV1Api(kube.api_client)
     clock_a, clock_b = FakeClock(), FakeClock()
     movers_a, movers_b = Movers(), Movers()
-    a = Operator(
-        kube.api_client, namespace, movers_a, SETTINGS,
-        elector=LeaseElector(coordination, namespace, "fj", "op-a", clock=clock_a), identity="op-a",
-    )  # fmt: skip
+    elector_a = LeaseElector(coordination, namespace, "fj", "op-a", clock=clock_a)
+    a = Operator(kube.api_client, namespace, movers_a, SETTINGS, elector=elector_a, identity="op-a")
     elector_b = LeaseElector(coordination, namespace, "fj", "op-b", clock=clock_b)
     b = Operator(kube.api_client, namespace, movers_b, SETTINGS, elector=elector_b, identity="op-b")
     _apply(kube, namespace, "x", partitions=4, replicas=2)
@@ -615,6 +623,12 @@ def test_only_the_lease_holder_reconciles_and_a_silent_leader_is_replaced(
         return _plain(kube, coordination.read_namespaced_lease("fj", namespace))["spec"]
 
     assert (lease()["holderIdentity"], lease()["leaseTransitions"]) == ("op-a", 0)
+    assert elector_a.holds()
+    clock_a.now += 9.9
+    assert elector_a.holds(), "within two thirds of the duration of its last renewal"
+    clock_a.now += 0.2
+    assert not elector_a.holds(), "too close to the time another candidate may take over"
+    assert not elector_b.holds()
     for _ in range(3):  # a renews every round, so b never sees an expired lease
         clock_a.now += 10
         clock_b.now += 10
@@ -657,6 +671,13 @@ def test_run_reconciles_on_watch_events_until_stopped(
         kube.kubectl("scale", "-n", namespace, "joinpipeline/x", "--replicas=3")
         _wait_for(lambda: movers.by_name["x"].moving != [], "moves onto x-2 after the scale event")
         assert {m.target for m in movers.by_name["x"].moving} == {"x-2"}
+        # Between rounds (30 s apart here) the moves in flight are stepped, and their completion brings
+        # the next round, with its events and status, forward.
+        ticks = movers.by_name["x"].ticks
+        _wait_for(lambda: movers.by_name["x"].ticks > ticks + 5, "steps of the moves between rounds")
+        movers.by_name["x"].complete_at_next_step = True
+        _wait_for(lambda: _status_epoch(kube, namespace) == 1, "the next round, with the moves done", 10)
+        assert "MoveCompleted" in _reasons(kube, namespace)
         port = free_port()
         server = serve_health(operator, port, host="127.0.0.1")
         try:
