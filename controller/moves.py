@@ -298,6 +298,7 @@ class Observer:
         self.timeout_s = heartbeat_timeout_s
         self.started = clock()
         self.seen: dict[str, tuple[float, str]] = {}  # instance -> (last heartbeat, incarnation)
+        self.serving: set[str] = set()  # instances whose last heartbeat says their query has run a batch
         self.batches: list[dict[str, Any]] = []
         self.readings: list[dict[str, Any]] = []  # what batches in flight have read (`report_reading`)
         self.empty_s: dict[str, float] = {}  # instance -> its shortest batch that read nothing, ever
@@ -327,6 +328,11 @@ class Observer:
             age_s = max(0.0, (now_ms - record.get("time_ms", now_ms)) / 1000)
             if record.get("kind") == "heartbeat":
                 self.seen[record["instance"]] = (self.clock() - age_s, record["incarnation"])
+                # An instance of a version before decision 0043 says nothing: it counts as serving.
+                if record.get("serving", True):
+                    self.serving.add(record["instance"])
+                else:
+                    self.serving.discard(record["instance"])
             elif record.get("kind") == "batch":
                 self.batches.append(record)
                 empty = shortest_empty_s([record])
@@ -426,8 +432,10 @@ class KafkaPidMover:
         return self.log.await_news(TICK_S)
 
     def ready_instances(self) -> set[str]:
+        """Live instances whose query has run a batch: pids moved onto them pause no longer than onto
+        any other (decision 0043)."""
         self.observer.poll()
-        return set(self.observer.liveness().live)
+        return set(self.observer.liveness().live) & self.observer.serving
 
     def instance_stats(self, window_s: float = 10.0) -> Mapping[str, InstanceStats]:
         """Busy fraction of the batches that ended in the last `window_s` seconds (`described_by`) and

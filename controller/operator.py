@@ -94,7 +94,7 @@ class PidMover(Protocol):
         ...
 
     def ready_instances(self) -> set[str]:
-        """Instances that report ready (heartbeat)."""
+        """Instances that heartbeat and whose query has run a batch: ready to take pids."""
         ...
 
     def instance_stats(self) -> Mapping[str, InstanceStats]:

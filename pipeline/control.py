@@ -118,6 +118,10 @@ class InstanceFollower:
         self._producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="control-follower", daemon=True)
+        self.serving = False
+        """Set by the instance once its query has completed a batch. Heartbeats start before Spark
+        does, so that a restarting instance is not taken for dead; until it serves, the controller
+        hands it no pids, which would pause until its query had started (decision 0043)."""
 
     def newest(self) -> AssignmentMsg | None:
         return self.log.catch_up().assignment
@@ -136,6 +140,7 @@ class InstanceFollower:
             "kind": "heartbeat",
             "instance": self.instance,
             "incarnation": self.incarnation,
+            "serving": self.serving,
             "time_ms": int(time.time() * 1000),
         }
         self._producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(beat))

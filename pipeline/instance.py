@@ -191,6 +191,7 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
     print(f"{name}: running (incarnation {follower.incarnation}), checkpoint {home}", flush=True)
     try:
         while not stopping.is_set() and query.isActive:
+            follower.serving = follower.serving or query.lastProgress is not None
             stopping.wait(0.5)
     except (Py4JError, ConnectionError) as lost:  # the JVM exited: out of memory (see spark_session), killed
         print(f"{name}: Spark's JVM is gone ({type(lost).__name__}), exiting", file=sys.stderr, flush=True)

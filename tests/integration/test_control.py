@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from confluent_kafka import Producer
 
 from controller.assignment import initial_assignment
 from controller.moves import KafkaPidMover
 from pipeline.config import load_config
+from pipeline.control import InstanceFollower
 from pipeline.protocol import AcquiredMsg, encode
 
 
@@ -41,4 +45,46 @@ def test_the_controller_reads_its_own_assignment_while_an_instance_transaction_i
             time.sleep(0.1)
         assert mover.assignment() == current, "reading its own assignment again changes nothing"
     finally:
+        mover.close()
+
+
+def test_an_instance_is_ready_to_take_pids_once_its_query_serves(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """Heartbeats start before Spark does (a restarting instance must not look dead), but pids moved
+    onto an instance whose query has not run a batch would pause until it had: only a serving instance
+    is ready. A heartbeat that says nothing of serving (an older instance) counts as serving."""
+    cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", "partitions=4", "instances=2"])
+    mover = KafkaPidMover(cfg, kafka_bootstrap, say=lambda line: None)
+    follower = InstanceFollower(cfg, kafka_bootstrap, "i-1", "inc-1", tmp_path / "a.json", mover.log)
+    older = Producer({"bootstrap.servers": kafka_bootstrap})
+    beat = {
+        "kind": "heartbeat",
+        "instance": "i-0",
+        "incarnation": "inc-0",
+        "time_ms": int(time.time() * 1000),
+    }
+    older.produce(cfg.metrics_topic, key=b"i-0", value=json.dumps(beat))
+    assert older.flush(30) == 0
+
+    def seen_within(condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
+
+    def live() -> set[str]:
+        mover.observer.poll(0.1)
+        return set(mover.observer.liveness().live)
+
+    try:
+        follower.heartbeat()
+        seen_within(lambda: live() == {"i-0", "i-1"}, "both heartbeats")
+        assert mover.ready_instances() == {"i-0"}, "live but not serving yet: not ready"
+        follower.serving = True
+        follower.heartbeat()
+        seen_within(lambda: mover.ready_instances() == {"i-0", "i-1"}, "the serving instance's heartbeat")
+    finally:
+        follower.stop()
+        older.flush(5)
         mover.close()
