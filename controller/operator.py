@@ -411,22 +411,29 @@ class Operator:
         the failure on its pipeline.
         """
         deadline = time.monotonic() + period_s
-        while not self._wake.is_set() and (left := deadline - time.monotonic()) > 0:
-            counted = [(mover, len(mover.in_flight())) for mover in self._movers.values()]
-            moving = [(mover, count) for mover, count in counted if count]
-            if not moving or (self._elector is not None and not self._elector.holds()):
-                self._wake.wait(left)
-                return
+        # Only a round adds movers or moves, so the counts taken here are carried from step to step.
+        moving = [(mover, count) for mover in self._movers.values() if (count := len(mover.in_flight()))]
+        while (
+            moving
+            and not self._wake.is_set()
+            and time.monotonic() < deadline
+            and (self._elector is None or self._elector.holds())
+        ):
             try:
                 moving[0][0].await_news()  # the other pipelines' moves are stepped after every wait too
+                still = []
                 for mover, count in moving:
                     mover.step()
-                    if len(mover.in_flight()) < count:
+                    left = len(mover.in_flight())
+                    if left < count:
                         self._wake.set()
+                    if left:
+                        still.append((mover, left))
+                moving = still
             except Exception as exc:
                 log.warning("stepping moves between rounds failed: %s", exc)
-                self._wake.wait(max(0.0, deadline - time.monotonic()))
-                return
+                break
+        self._wake.wait(max(0.0, deadline - time.monotonic()))
 
     def request_stop(self) -> None:
         self._stopping.set()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from confluent_kafka import Producer
@@ -12,7 +11,7 @@ from confluent_kafka import Producer
 from controller.assignment import initial_assignment
 from controller.moves import KafkaPidMover
 from pipeline.config import load_config
-from pipeline.control import InstanceFollower
+from pipeline.control import InstanceFollower, wait_for
 from pipeline.protocol import AcquiredMsg, encode
 
 
@@ -67,23 +66,19 @@ def test_an_instance_is_ready_to_take_pids_once_its_query_serves(
     older.produce(cfg.metrics_topic, key=b"i-0", value=json.dumps(beat))
     assert older.flush(30) == 0
 
-    def seen_within(condition: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + 30
-        while not condition():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.1)
-
     def live() -> set[str]:
         mover.observer.poll(0.1)
         return set(mover.observer.liveness().live)
 
     try:
         follower.heartbeat()
-        seen_within(lambda: live() == {"i-0", "i-1"}, "both heartbeats")
+        wait_for(lambda: live() == {"i-0", "i-1"}, timeout_s=30, what="both heartbeats")
         assert mover.ready_instances() == {"i-0"}, "live but not serving yet: not ready"
         follower.serving = True
         follower.heartbeat()
-        seen_within(lambda: mover.ready_instances() == {"i-0", "i-1"}, "the serving instance's heartbeat")
+        wait_for(
+            lambda: mover.ready_instances() == {"i-0", "i-1"}, timeout_s=30, what="its serving heartbeat"
+        )
     finally:
         follower.stop()
         older.flush(5)
