@@ -9,7 +9,7 @@ The operator emits one row stream with a `kind` column, because a streaming quer
 =========  =====  ===============  =================  ===============  ====================  ==========
 kind       code   key              ts                 aux              id0                   id1..
 =========  =====  ===============  =================  ===============  ====================  ==========
-result     0      join key         max event time     0                id of stream 0        ids
+result     0      results          max event time     0                0                     0
 late       1      tuple key        event time         stream index     tuple id              0
 malformed  2      stream index     reason code        0                Kafka offset          0
 stats      3      window tuples    newest event time  state bytes      tuples in (batch)     results
@@ -18,6 +18,12 @@ released   5      exported tuples  watermark          0                0        
 track done 6      0                0                  side (1 old/2 new) 0                     0
 watermark  7      0                window watermark   0                0                     0
 =========  =====  ===============  =================  ===============  ====================  ==========
+
+A `result` row carries up to RESULTS_PER_MESSAGE of a pid's results in its `payload` column, already
+encoded as the results topic's message (`codec.encode_results`), which the sink produces as is; every
+other kind leaves `payload` null. One row per result cost the instance's JVM and Python worker a
+conversion per result twice (Arrow to Spark rows and back), and a batch carries about ten results per
+input tuple (decision 0044).
 
 `state` rows are a released pid's window, exported for its new owner (handoff mode `transfer`); the
 `released` row closes every release, exported or not, and the beginning of a parallel-track overlap on
@@ -35,8 +41,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from pipeline.codec import encode_results
 from pipeline.join import (
     Part,
+    Results,
     WindowState,
     begin_new_track,
     begin_old_track,
@@ -68,14 +76,26 @@ from pipeline.source import (
     KIND_WATERMARK,
 ) = range(8)
 STATE_SCHEMA = "window binary"
+RESULTS_PER_MESSAGE = 8_000
+"""Results per `result` row, and so per results message: 256 KB for a 2-way join, well under Kafka's
+1 MB default message size."""
 
 
 def output_schema(streams: int) -> str:
     ids = ", ".join(f"id{j} long" for j in range(streams))
-    return f"kind byte, pid int, key long, ts long, aux long, {ids}"
+    return f"kind byte, pid int, key long, ts long, aux long, {ids}, payload binary"
 
 
-def _frame(kind: int, pid: int, key: Any, ts: Any, aux: Any, ids: list[Any], n: int) -> pd.DataFrame:
+def _frame(
+    kind: int,
+    pid: int,
+    key: Any,
+    ts: Any,
+    aux: Any,
+    ids: list[Any],
+    n: int,
+    payload: list[bytes] | None = None,
+) -> pd.DataFrame:
     cols: dict[str, Any] = {
         "kind": np.full(n, kind, dtype=np.int8),
         "pid": np.full(n, pid, dtype=np.int32),
@@ -85,7 +105,21 @@ def _frame(kind: int, pid: int, key: Any, ts: Any, aux: Any, ids: list[Any], n: 
     }
     for j, col in enumerate(ids):
         cols[f"id{j}"] = np.broadcast_to(np.asarray(col, dtype=np.int64), (n,))
+    cols["payload"] = payload if payload is not None else [None] * n
     return pd.DataFrame(cols)
+
+
+def _result_frame(pid: int, results: Results, streams: int) -> pd.DataFrame:
+    """The `result` rows of one pid's batch: each its share of the results, encoded as one message."""
+    starts = range(0, len(results), RESULTS_PER_MESSAGE)
+    ends = [min(a + RESULTS_PER_MESSAGE, len(results)) for a in starts]
+    payload = [
+        encode_results(results.ids[:, a:b], results.keys[a:b], results.max_ts[a:b])
+        for a, b in zip(starts, ends, strict=True)
+    ]
+    counts = [b - a for a, b in zip(starts, ends, strict=True)]
+    newest = [int(results.max_ts[a:b].max()) for a, b in zip(starts, ends, strict=True)]
+    return _frame(KIND_RESULT, pid, counts, newest, 0, [0] * streams, len(payload), payload)
 
 
 def make_join_function(
@@ -142,7 +176,7 @@ def make_join_function(
         released = stream_col == RELEASE_ROW
         r = out.results
         if len(r):
-            yield _frame(KIND_RESULT, pid, r.keys, r.max_ts, 0, list(r.ids), len(r))
+            yield _result_frame(pid, r, streams)
         for j, late in enumerate(out.late):
             if len(late):
                 yield _frame(KIND_LATE, pid, late.keys, late.ts, j, [late.ids, *zeros], len(late))

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.codec import Malformation, encode_results
+from pipeline.codec import Malformation, decode_results
 from pipeline.config import Config
 from pipeline.control import ControlLog, publish
 from pipeline.join import Part, WindowState, window_to_bytes
@@ -53,7 +53,6 @@ from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, TrackDoneMsg, 
 from pipeline.source import TRACK_OLD, write_watermarks
 from pipeline.topics import partition_offsets, read_topic
 
-RESULTS_PER_MESSAGE = 8_000  # keeps each results message well under Kafka's 1 MB default
 SNAPSHOT_CHUNK_BYTES = 900_000  # likewise for exported windows
 
 
@@ -296,8 +295,12 @@ class ExactlyOnceSink:
     ) -> dict[str, Any]:
         """Per-batch metrics, written in the batch's transaction (latency measured just before commit)."""
         now = time.time()
-        latency = now - columns["ts"][kind == KIND_RESULT] / 1000.0 if results else np.empty(0)
-        by_pid = _by_pid(columns["pid"][kind == KIND_RESULT], latency)
+        latency, by_pid = np.empty(0), {}
+        if results:
+            rows = kind == KIND_RESULT
+            times = [decode_results(payload).max_event_times for payload in columns["payload"][rows]]
+            latency = now - np.concatenate(times) / 1000.0
+            by_pid = _by_pid(np.repeat(columns["pid"][rows], columns["key"][rows]), latency)
         stats = kind == KIND_STATS
         ended = time.monotonic()
         busy = (ended - started) / max(ended - self.last_end, 1e-3)
@@ -341,20 +344,12 @@ class ExactlyOnceSink:
         }
 
     def _produce_results(self, columns: dict[str, np.ndarray], mask: np.ndarray) -> int:
+        """Each `result` row's payload is a results message already (`operator.RESULTS_PER_MESSAGE`)."""
         if not mask.any():
             return 0
-        pids = columns["pid"][mask]
-        ids = np.vstack([columns[f"id{j}"][mask] for j in range(len(self.streams))])
-        keys, ts = columns["key"][mask], columns["ts"][mask]
-        order = np.argsort(pids, kind="stable")
-        pids, ids, keys, ts = pids[order], ids[:, order], keys[order], ts[order]
-        bounds = np.flatnonzero(np.diff(pids)) + 1
-        for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(pids)], strict=True):
-            pid = int(pids[lo])
-            for a in range(lo, hi, RESULTS_PER_MESSAGE):
-                b = min(a + RESULTS_PER_MESSAGE, hi)
-                self._produce(self.cfg.results_topic, pid, encode_results(ids[:, a:b], keys[a:b], ts[a:b]))
-        return int(mask.sum())
+        for pid, payload in zip(columns["pid"][mask], columns["payload"][mask], strict=True):
+            self._produce(self.cfg.results_topic, int(pid), payload)
+        return int(columns["key"][mask].sum())
 
     def _produce_dead_letters(self, columns: dict[str, np.ndarray], mask: np.ndarray, what: str) -> int:
         for i in np.flatnonzero(mask):
