@@ -459,7 +459,9 @@ class KafkaPidMover:
         if current is None:
             return None
         in_flight = frozenset(m.pid for m in self.in_flight())
-        live = sorted(self.observer.liveness().live)
+        # Ready, not only live: an instance whose query has not run a batch reports no batch, and the
+        # statistics would read it as idle and send it pids that pause until it serves (decision 0043).
+        live = sorted(self.ready_instances())
         batches, now_ms = self.observer.batches, time.time() * 1000
         return snapshot_of(
             batches,

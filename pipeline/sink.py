@@ -53,7 +53,7 @@ from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, TrackDoneMsg, 
 from pipeline.source import TRACK_OLD, write_watermarks
 from pipeline.topics import partition_offsets, read_topic
 
-SNAPSHOT_CHUNK_BYTES = 900_000  # likewise for exported windows
+SNAPSHOT_CHUNK_BYTES = 900_000  # keeps each exported-window message under Kafka's 1 MB default
 
 
 def _released_watermark(columns: dict[str, np.ndarray], kind: np.ndarray, pid: int) -> int:

@@ -74,6 +74,10 @@ def test_an_instance_is_ready_to_take_pids_once_its_query_serves(
         follower.heartbeat()
         wait_for(lambda: live() == {"i-0", "i-1"}, timeout_s=30, what="both heartbeats")
         assert mover.ready_instances() == {"i-0"}, "live but not serving yet: not ready"
+        mover.start(initial_assignment(cfg.partitions, ["i-0", "i-1"]))
+        snapshot = mover.snapshot(interval_s=4.0, now_s=time.monotonic(), last_adaptation_s=None)
+        assert snapshot is not None
+        assert [s.instance for s in snapshot.instances] == ["i-0"], "a policy sees only ready instances"
         follower.serving = True
         follower.heartbeat()
         wait_for(
