@@ -9,7 +9,7 @@ The operator emits one row stream with a `kind` column, because a streaming quer
 =========  =====  ===============  =================  ===============  ====================  ==========
 kind       code   key              ts                 aux              id0                   id1..
 =========  =====  ===============  =================  ===============  ====================  ==========
-result     0      results          max event time     0                0                     0
+result     0      results          0                  0                0                     0
 late       1      tuple key        event time         stream index     tuple id              0
 malformed  2      stream index     reason code        0                Kafka offset          0
 stats      3      window tuples    newest event time  state bytes      tuples in (batch)     results
@@ -111,15 +111,11 @@ def _frame(
 
 def _result_frame(pid: int, results: Results, streams: int) -> pd.DataFrame:
     """The `result` rows of one pid's batch: each its share of the results, encoded as one message."""
-    starts = range(0, len(results), RESULTS_PER_MESSAGE)
-    ends = [min(a + RESULTS_PER_MESSAGE, len(results)) for a in starts]
-    payload = [
-        encode_results(results.ids[:, a:b], results.keys[a:b], results.max_ts[a:b])
-        for a, b in zip(starts, ends, strict=True)
-    ]
-    counts = [b - a for a, b in zip(starts, ends, strict=True)]
-    newest = [int(results.max_ts[a:b].max()) for a, b in zip(starts, ends, strict=True)]
-    return _frame(KIND_RESULT, pid, counts, newest, 0, [0] * streams, len(payload), payload)
+    n = len(results)
+    chunks = [(a, min(a + RESULTS_PER_MESSAGE, n)) for a in range(0, n, RESULTS_PER_MESSAGE)]
+    payload = [encode_results(results.ids[:, a:b], results.keys[a:b], results.max_ts[a:b]) for a, b in chunks]
+    counts = [b - a for a, b in chunks]
+    return _frame(KIND_RESULT, pid, counts, 0, 0, [0] * streams, len(chunks), payload)
 
 
 def make_join_function(
