@@ -155,6 +155,10 @@ def _no_track(pid: int) -> Callable[[ControlView], bool]:
     return lambda v: v.assignment is not None and pid not in v.assignment.tracks
 
 
+def _tracked_from(side: str, pid: int) -> Callable[[ControlView], bool]:
+    return lambda v: v.assignment is not None and getattr(v.assignment.tracks.get(pid), "source", "") == side
+
+
 def _old_side_done(move: str) -> Callable[[ControlView], bool]:
     return lambda v: v.track_ended(move, "old")
 
@@ -179,29 +183,32 @@ def _returned_while_old(home: Path, pid: int) -> bool:
 def test_a_pid_moved_back_before_its_old_side_saw_the_track_end_stays_exact(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
-    """Pid 3's old side is frozen as soon as its old tuples expire; meanwhile the track ends and pid 3
-    moves back to it. It wakes to an assignment that owns pid 3 with a handoff, the epochs between
-    unseen, as a loaded instance does after one long batch. It must acquire pid 3 afresh; kept as an
-    old side it would emit none of pid 3's later results. (The freeze can come too late, after the
-    side already planned a batch without the track: then the round trip is tried again.)"""
+    """Pid 3's old side is frozen once its old tuples expire; meanwhile the track ends and pid 3 moves
+    back to it. It wakes to an assignment that owns pid 3 with a handoff, the epochs between unseen,
+    as a loaded instance does after one long batch. It must acquire pid 3 afresh; kept as an old side
+    it would emit none of pid 3's later results. The controller is frozen from the track's start until
+    the side is: otherwise the side can see the track end between its report and its freeze (CI saw
+    that three times in a row)."""
     cfg = soak_config(load_config(), topic_prefix, seconds=300)
     with _scenario(cfg, kafka_bootstrap, tmp_path) as (pipeline, watch):
         side = _pid_3_flowing(pipeline, watch, heartbeat_timeout_s=60.0)
         other = next(name for name in INSTANCES if name != side)
-        home = instance_dir(pipeline.cfg, side)
+        controller = pipeline.procs["controller"].pid
 
-        for _ in range(3):
-            out = request_moves(cfg, kafka_bootstrap, [3], other, Mode.PARALLEL_TRACK).move_id(3)
+        out = request_moves(cfg, kafka_bootstrap, [3], other, Mode.PARALLEL_TRACK).move_id(3)
+        watch.until(_tracked_from(side, 3), 120, f"pid 3's track from {side}")
+        os.killpg(controller, signal.SIGSTOP)
+        try:
             watch.until(_old_side_done(out), 120, f"{side}'s old tuples expiring")
             os.killpg(pipeline.procs[side].pid, signal.SIGSTOP)
-            try:
-                watch.until(_no_track(3), 60, "the track")
-                back = request_moves(cfg, kafka_bootstrap, [3], side, Mode.PARALLEL_TRACK).move_id(3)
-                watch.until(_handed_over(back, 3), 60, f"pid 3 handed back to {side}")
-            finally:
-                os.killpg(pipeline.procs[side].pid, signal.SIGCONT)
-            watch.until(acquired_by(side, 3), 120, f"{side} acquiring pid 3 back")
-            if _returned_while_old(home, 3):
-                break
-        assert _returned_while_old(home, 3), f"{side} saw the track end before pid 3 came back, three times"
+        finally:
+            os.killpg(controller, signal.SIGCONT)
+        try:
+            watch.until(_no_track(3), 60, "the track")
+            back = request_moves(cfg, kafka_bootstrap, [3], side, Mode.PARALLEL_TRACK).move_id(3)
+            watch.until(_handed_over(back, 3), 60, f"pid 3 handed back to {side}")
+        finally:
+            os.killpg(pipeline.procs[side].pid, signal.SIGCONT)
+        watch.until(acquired_by(side, 3), 120, f"{side} acquiring pid 3 back")
+        assert _returned_while_old(instance_dir(pipeline.cfg, side), 3), f"{side} saw the track end"
         watch.until(_no_track(3), 120, "the last track")
