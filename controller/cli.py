@@ -432,7 +432,7 @@ def bench_skew(
     set_: SetOpt = None,
     bootstrap: BootstrapOpt = None,
     json_: JsonOpt = False,
-    rates: Annotated[str, typer.Option(help="Input rates, tuples/s in total.")] = "2000,3000,4000,5000,6000",
+    rates: Annotated[str, typer.Option(help="Input rates, tuples/s in total.")] = "7000,10000,14000,20000",
     seconds: Annotated[float, typer.Option(help="Seconds of skewed input per point, after --even-s.")] = 240,
     instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
     cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.25,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,6 +36,28 @@ def test_compare_counts_missing_duplicate_and_spurious() -> None:
     empty = np.empty((2, 0), dtype=np.int64)
     assert compare(expected, empty) == (4, 0, 0)
     assert compare(empty, empty) == (0, 0, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    m=st.integers(2, 3),
+    expected=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3)), max_size=25),
+    produced=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3)), max_size=25),
+)
+def test_compare_equals_counting_by_hand(
+    m: int, expected: list[tuple[int, int, int]], produced: list[tuple[int, int, int]]
+) -> None:
+    e, p = Counter(r[:m] for r in expected), Counter(r[:m] for r in produced)
+    by_hand = (
+        sum((e - p).values()),
+        sum(n for row, n in (p - e).items() if row in e),
+        sum(n for row, n in p.items() if row not in e),
+    )
+
+    def columns(rows: list[tuple[int, int, int]]) -> np.ndarray:
+        return np.array([r[:m] for r in rows], dtype=np.int64).reshape(-1, m).T
+
+    assert compare(columns(expected), columns(produced)) == by_hand
 
 
 def test_missing_results_are_counted_by_the_pid_of_their_key() -> None:
