@@ -11,7 +11,8 @@ in exactly one chunk, and its other parts within W of it, so each combination is
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -115,17 +116,21 @@ def expected_join(parts: list[Part], window_ms: int, chunk: int = CHUNK_TUPLES) 
 COMPARE_BUCKETS = 8
 
 
-def compare(expected: np.ndarray, produced: np.ndarray) -> tuple[int, int, int]:
-    """(missing, duplicate, spurious) between two multisets of id rows, given as (m, n) arrays.
-
-    In COMPARE_BUCKETS buckets of the first id (equal rows share a bucket): counting rows with pandas
-    takes over 100 bytes per result, and at once for about 160 million results it ran a 24 GB machine
-    out of memory."""
-    totals = np.zeros(3, np.int64)
+def _buckets(expected: np.ndarray, produced: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Boolean masks of both sides' (m, n) id rows, one pair per bucket of the first id: equal rows
+    share a bucket, so multisets compare bucket by bucket. Counting rows with pandas takes over 100
+    bytes per result, and at once for about 160 million results it ran a 24 GB machine out of memory."""
+    e_bucket = (expected[0] % COMPARE_BUCKETS).astype(np.uint8)
+    p_bucket = (produced[0] % COMPARE_BUCKETS).astype(np.uint8)
     for bucket in range(COMPARE_BUCKETS):
-        e = expected[:, expected[0] % COMPARE_BUCKETS == bucket]
-        p = produced[:, produced[0] % COMPARE_BUCKETS == bucket]
-        totals += _compare_bucket(e, p)
+        yield e_bucket == bucket, p_bucket == bucket
+
+
+def compare(expected: np.ndarray, produced: np.ndarray) -> tuple[int, int, int]:
+    """(missing, duplicate, spurious) between two multisets of id rows, given as (m, n) arrays."""
+    totals = np.zeros(3, np.int64)
+    for e, p in _buckets(expected, produced):
+        totals += _compare_bucket(expected[:, e], produced[:, p])
     missing, duplicate, spurious = (int(n) for n in totals)
     return missing, duplicate, spurious
 
@@ -146,10 +151,15 @@ def _compare_bucket(expected: np.ndarray, produced: np.ndarray) -> tuple[int, in
 def missing_by_pid(expected: Results, produced: np.ndarray, partitions: int) -> dict[int, int]:
     """How many expected results are absent from `produced`, by the pid of their key."""
     cols = [f"id{j}" for j in range(expected.ids.shape[0])]
-    got = pd.DataFrame(produced.T, columns=cols).drop_duplicates()
-    want = pd.DataFrame(expected.ids.T, columns=cols).assign(pid=pids_of(expected.keys, partitions))
-    absent = want.merge(got, on=cols, how="left", indicator=True).query("_merge == 'left_only'")
-    return {int(p): int(n) for p, n in absent["pid"].value_counts().sort_index().items()}
+    absent: Counter[int] = Counter()
+    for e, p in _buckets(expected.ids, produced):
+        got = pd.DataFrame(produced[:, p].T, columns=cols).drop_duplicates()
+        want = pd.DataFrame(expected.ids[:, e].T, columns=cols).assign(
+            pid=pids_of(expected.keys[e], partitions)
+        )
+        gone = want.merge(got, on=cols, how="left", indicator=True).query("_merge == 'left_only'")
+        absent.update({int(pid): int(n) for pid, n in gone["pid"].value_counts().items()})
+    return dict(sorted(absent.items()))
 
 
 def read_results(bootstrap: str, cfg: Config) -> np.ndarray:
