@@ -155,7 +155,7 @@ def verify(
 
     cfg = _config(config, set_, bootstrap)
     try:
-        report = verify_pipeline(cfg, _bootstrap(cfg))
+        report = verify_pipeline(cfg, _bootstrap(cfg), progress=_progress(json_))
     except _user_errors() as exc:
         fail(str(exc))
     print(json.dumps(report.as_dict()) if json_ else report.describe())

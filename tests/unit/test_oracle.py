@@ -1,4 +1,5 @@
-"""The oracle's chunked join and multiset comparison, against brute force."""
+"""The oracle's chunked join, its multiset comparison and its check bucket by bucket, against brute
+force and against comparing everything at once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.join import Results
-from pipeline.oracle import compare, expected_join, missing_by_pid
+from pipeline.oracle import check, compare, expected_join, missing_by_pid, split_results
 from pipeline.partitioning import pids_of
 from tests.unit.test_join import as_part, brute_force, result_set
 
@@ -70,3 +71,32 @@ def test_missing_results_are_counted_by_the_pid_of_their_key() -> None:
         want[int(p)] = want.get(int(p), 0) + 1
     assert missing_by_pid(expected, produced, 8) == want
     assert missing_by_pid(expected, expected.ids, 8) == {}
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    raw=st.lists(
+        st.lists(st.tuples(st.integers(0, 40), st.integers(0, 30)), max_size=25), min_size=2, max_size=3
+    ),
+    window=st.integers(0, 10),
+    picks=st.lists(st.integers(0, 10**6), max_size=40),
+    spurious=st.integers(0, 3),
+    batch=st.integers(1, 7),
+)
+def test_checking_bucket_by_bucket_equals_comparing_all_at_once(
+    raw: list[list[tuple[int, int]]], window: int, picks: list[int], spurious: int, batch: int
+) -> None:
+    """Produced rows are drawn from the expected ones (some missed, some repeated) plus rows of ids
+    no stream has, and arrive in batches; ids up to 24 fill every bucket."""
+    partitions = 64
+    parts = [as_part([(i, k, t) for i, (k, t) in enumerate(s)]) for s in raw]
+    whole = expected_join(parts, window)
+    n = len(whole)
+    chosen = [p % n for p in picks] if n else []
+    m = len(parts)
+    ids = np.hstack([whole.ids[:, chosen], np.tile(np.arange(1000, 1000 + spurious), (m, 1))])
+    batches = [ids[:, lo : lo + batch] for lo in range(0, ids.shape[1], batch)]
+    got = check(parts, split_results(batches, m), window, partitions, lambda _: None)
+    missing, duplicate, extra = compare(whole.ids, ids)
+    assert (got.expected, got.missing, got.duplicate, got.spurious) == (n, missing, duplicate, extra)
+    assert got.missing_by_pid == missing_by_pid(whole, ids, partitions)
