@@ -112,6 +112,7 @@ class PipelineSpec:
             instance=InstanceConfig(
                 trigger_ms=int(instance.get("triggerMs", 500)),
                 max_rows_per_batch=int(instance.get("maxRowsPerBatch", 200_000)),
+                max_results_per_batch=int(instance.get("maxResultsPerBatch", 4_000_000)),
                 shuffle_partitions=int(instance.get("shufflePartitions", 2)),
                 spark_master=instance.get("sparkMaster", "local[2]"),
                 driver_memory=instance.get("driverMemory", "1g"),
@@ -233,6 +234,7 @@ def instance_args(spec: PipelineSpec) -> list[str]:
         "instances": 1,
         "instance.trigger_ms": cfg.trigger_ms,
         "instance.max_rows_per_batch": cfg.max_rows_per_batch,
+        "instance.max_results_per_batch": cfg.max_results_per_batch,
         "instance.shuffle_partitions": cfg.shuffle_partitions,
         "instance.spark_master": cfg.spark_master,
         "instance.driver_memory": cfg.driver_memory,

@@ -151,6 +151,10 @@ class InstanceConfig(_Strict):
     # still start a trigger apart, but one that releases or takes over a pid starts within poll_ms.
     poll_ms: int = Field(1000, ge=1)
     max_rows_per_batch: int = Field(200_000, ge=1000)
+    # About how many results a batch may make: the sink collects a batch's results whole in the JVM's
+    # heap, and a far-behind instance on hot keys ran out of a 2 GB heap on a batch of over 7.2 million
+    # (decision 0045). Bounds the batch's input by the results per tuple of recent batches.
+    max_results_per_batch: int = Field(4_000_000, ge=1000)
     # One shuffle partition per core of `spark_master`, and as many source read tasks: each stage runs
     # in one wave, and every task is a Python worker round trip, every partition a state store to load
     # and commit each batch (4 vs 2 on local[2], and 2 vs 1 on local[1]: measured slower; decision 0033).

@@ -105,6 +105,7 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
     home = instance_dir(cfg, name)
     checkpoint = home / "checkpoint"
     watermarks = (home / "watermarks.json").resolve()
+    results_per_tuple = (home / "results_per_tuple.json").resolve()
     spark.dataSource.register(FluxjoinSource)
     rows = (
         spark.readStream.format("fluxjoin")
@@ -114,6 +115,8 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
         .option("assignment", str((home / "assignment.json").resolve()))
         .option("partitions", str(cfg.partitions))
         .option("max_rows", str(cfg.instance.max_rows_per_batch))
+        .option("max_results", str(cfg.instance.max_results_per_batch))
+        .option("results_per_tuple", str(results_per_tuple))
         .option("tasks", str(cfg.instance.shuffle_partitions))
         .option("window_ms", str(cfg.window_ms))
         .option("lateness_ms", str(cfg.allowed_lateness_ms))
@@ -132,7 +135,9 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
         outputMode="append",
         timeoutConf="NoTimeout",
     )
-    sink = ExactlyOnceSink(cfg, bootstrap, name, incarnation, checkpoint.resolve(), watermarks)
+    sink = ExactlyOnceSink(
+        cfg, bootstrap, name, incarnation, checkpoint.resolve(), watermarks, results_per_tuple
+    )
     return (
         joined.writeStream.queryName(name.replace("-", "_"))
         .foreachBatch(sink)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ from pipeline.operator import (
     KIND_WATERMARK,
 )
 from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, TrackDoneMsg, handoff_from_json
-from pipeline.source import TRACK_OLD, write_watermarks
+from pipeline.source import TRACK_OLD, write_results_per_tuple, write_watermarks
 from pipeline.topics import partition_offsets, read_topic
 
 SNAPSHOT_CHUNK_BYTES = 900_000  # keeps each exported-window message under Kafka's 1 MB default
@@ -105,11 +106,23 @@ def _by_pid(pids: np.ndarray, values: np.ndarray) -> dict[int, np.ndarray]:
     return {int(p): part for p, part in zip(found, np.split(values[order], starts[1:]), strict=True)}
 
 
+RESULTS_PER_TUPLE_BATCHES = 8
+"""The source bounds a batch's input by the most results per tuple among this many recent batches: the
+largest, since a backlog's batch makes more results per tuple than the trigger-sized ones before it."""
+
+
 class ExactlyOnceSink:
     """`foreachBatch` target: writes one micro-batch's output in one Kafka transaction."""
 
     def __init__(
-        self, cfg: Config, bootstrap: str, instance: str, incarnation: str, checkpoint: Path, watermarks: Path
+        self,
+        cfg: Config,
+        bootstrap: str,
+        instance: str,
+        incarnation: str,
+        checkpoint: Path,
+        watermarks: Path,
+        results_per_tuple: Path,
     ) -> None:
         from confluent_kafka import Producer
         from confluent_kafka.admin import AdminClient
@@ -120,6 +133,9 @@ class ExactlyOnceSink:
         self.watermarks_path = watermarks
         self.watermarks_path.unlink(missing_ok=True)
         self._watermarks: dict[int, int] = {}
+        # Kept across restarts: it describes the workload, not this incarnation's state.
+        self.results_per_tuple_path = results_per_tuple
+        self._results_per_tuple: deque[float] = deque(maxlen=RESULTS_PER_TUPLE_BATCHES)
         self.producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
@@ -183,6 +199,9 @@ class ExactlyOnceSink:
         self.producer.commit_transaction(60)
         self.last_batch = batch_id
         self._note_watermarks(offsets, columns, kind)
+        if metrics["tuples_in"]:
+            self._results_per_tuple.append(results / metrics["tuples_in"])
+            write_results_per_tuple(self.results_per_tuple_path, max(self._results_per_tuple))
 
     def _note_watermarks(
         self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray

@@ -167,6 +167,33 @@ def read_watermarks(path: Path) -> dict[str, Any]:
         return {}
 
 
+# --- the results-per-tuple file: written by the sink after every batch, read when a batch is planned ---
+
+
+def write_results_per_tuple(path: Path, ratio: float) -> None:
+    """Atomically replace the file of how many results recent batches made per input tuple."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(ratio))
+    os.replace(tmp, path)
+
+
+def read_results_per_tuple(path: Path) -> float | None:
+    """The ratio `write_results_per_tuple` wrote; None before any batch with input."""
+    try:
+        return float(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def tuples_within(max_rows: int, max_results: int, results_per_tuple: float | None) -> int:
+    """A batch's input bound: `max_rows` tuples, fewer where recent batches' results per tuple would
+    make more than about `max_results` results (about: a bigger batch of the same keys makes more
+    results per tuple, and whole pids are taken; `whole_pids_within`)."""
+    if not results_per_tuple:
+        return max_rows
+    return max(1, min(max_rows, int(max_results / results_per_tuple)))
+
+
 def watermark_at(noted: Mapping[str, Any], pid: int, cutoff: Mapping[str, int]) -> int | None:
     """Pid's window watermark where its input reaches `cutoff`, if the file noted it there (else None: the
     window at the cutoff is not known before the batch runs)."""
@@ -362,6 +389,9 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self.assignment_path = Path(options["assignment"])
         self.partition_count = int(options["partitions"])
         self.max_rows = int(options.get("max_rows", "200000"))
+        self.max_results = int(options.get("max_results", "4000000"))
+        path = options.get("results_per_tuple")
+        self.results_per_tuple_path = Path(path) if path else None
         self.tasks = int(options["tasks"])
         self.reach_back_ms = int(options.get("window_ms", "0")) + 2 * int(options.get("lateness_ms", "0"))
         trigger_s = int(options.get("trigger_ms", "0")) / 1000
@@ -610,6 +640,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         if isinstance(limit, ReadAllAvailable):
             return latest, {}
         rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.max_rows
+        path = self.results_per_tuple_path
+        rows = tuples_within(rows, self.max_results, read_results_per_tuple(path) if path else None)
         cap = max(1, int(rows / self._tuples_per_message(begin, latest)))
         if backlog <= cap:
             return latest, {}
@@ -658,7 +690,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return max(1.0, sum(counts) / len(counts)) if counts else 1.0
 
     def getDefaultReadLimit(self) -> ReadLimit:
-        """Batches are capped at about `max_rows` tuples (whole pids at a time)."""
+        """Batches are capped at about `max_rows` tuples (whole pids at a time), fewer by `max_results`."""
         return ReadMaxRows(self.max_rows)
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:

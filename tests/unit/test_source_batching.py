@@ -1,8 +1,17 @@
-"""How the instance's source caps a batch: whole pids, round robin (pure part of pipeline/source.py)."""
+"""How the instance's source caps a batch: whole pids, round robin, fewer tuples where recent batches made
+many results per tuple (pure part of pipeline/source.py)."""
 
 from __future__ import annotations
 
-from pipeline.source import ArrivalMeter, whole_pids_within
+from pathlib import Path
+
+from pipeline.source import (
+    ArrivalMeter,
+    read_results_per_tuple,
+    tuples_within,
+    whole_pids_within,
+    write_results_per_tuple,
+)
 
 
 def offsets(**by_stream: dict[int, int]) -> dict[str, dict[str, int]]:
@@ -66,3 +75,20 @@ def test_an_instance_is_behind_when_more_waits_than_arrives_within_the_horizon()
 def test_nobody_is_behind_before_arrivals_are_known() -> None:
     meter = ArrivalMeter()
     assert not meter.behind(waiting=123, horizon_s=1.0)
+
+
+def test_a_batch_takes_fewer_tuples_where_each_makes_many_results() -> None:
+    assert tuples_within(200_000, 4_000_000, None) == 200_000  # nothing known yet
+    assert tuples_within(200_000, 4_000_000, 0.0) == 200_000  # recent batches made no results
+    assert tuples_within(200_000, 4_000_000, 10.0) == 200_000
+    assert tuples_within(200_000, 4_000_000, 40.0) == 100_000
+    assert tuples_within(200_000, 1_000, 1e9) == 1  # always some input
+
+
+def test_the_results_per_tuple_file_reads_back_what_the_sink_wrote(tmp_path: Path) -> None:
+    path = tmp_path / "results_per_tuple.json"
+    assert read_results_per_tuple(path) is None
+    write_results_per_tuple(path, 27.5)
+    write_results_per_tuple(path, 31.25)
+    assert read_results_per_tuple(path) == 31.25
+    assert [f.name for f in tmp_path.iterdir()] == [path.name]
