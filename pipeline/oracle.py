@@ -181,8 +181,11 @@ def check(
     counts = np.zeros(4, np.int64)  # expected, missing, duplicate, spurious
     absent: Counter[int] = Counter()
     say(f"computing the exact join and comparing, in {VERIFY_BUCKETS} buckets of ids")
+    # A chunk of one bucket's stream-0 tuples spans VERIFY_BUCKETS times the event time of as many tuples
+    # of the whole stream, and the other streams' tuples a chunk is joined with grow with its span.
+    chunk = max(1, CHUNK_TUPLES // VERIFY_BUCKETS)
     for b in range(VERIFY_BUCKETS):
-        want = expected_join([first.take(in_bucket == b), *others], window_ms)
+        want = expected_join([first.take(in_bucket == b), *others], window_ms, chunk)
         missing, duplicate, spurious = compare(want.ids, produced[b])
         counts += (len(want), missing, duplicate, spurious)
         if missing:
