@@ -473,7 +473,8 @@ def skew_config(
 
     A loaded instance's micro-batches grow with its backlog (one of 66 s was measured). Capping
     them at one trigger's worth of input was tried: every batch pays the fixed cost, and static's
-    drain at 2,000 tuples/s went from 70 s to 102 s (one run each), so there is no cap.
+    drain at 2,000 tuples/s went from 70 s to 102 s (one run each), so only the default bounds apply,
+    the one on results among them (decision 0045).
 
     Each instance's JVM has a 2 GB heap: a loaded instance's batch collects millions of results at once
     (a 1 GB heap ran out on static's hot instance at 3,000 tuples/s once its batches ran as one task,
