@@ -334,7 +334,9 @@ class ArrivalMeter:
 class FluxjoinSource(DataSource):
     """Options: `bootstrap`, `streams` (comma separated, configured order), `topics` (same order),
     `assignment` (path of the assignment file), `partitions` (P), `max_rows` (tuples per batch, about:
-    the source's default read limit), `tasks` (read parallelism), `window_ms` and
+    the source's default read limit), `max_results` and `results_per_tuple` (about how many results a
+    batch may make, and the path of the file the sink notes recent batches' results per tuple in),
+    `tasks` (read parallelism), `window_ms` and
     `lateness_ms` (how far back a replayed window reaches), `trigger_ms` (the time between batches:
     how much waiting input makes the instance behind), `poll_ms` (the query's trigger when shorter: how
     soon a move step gets its batch), `watermarks` (path of the file the sink notes
