@@ -148,41 +148,44 @@ def read_assignment(path: Path) -> OwnedPids:
     )
 
 
-# --- the watermarks file: written by the sink after every batch, read when a batch is planned ---
+# --- files the sink writes after every batch and the source reads when it plans one ---
+
+
+def _replace_json(path: Path, value: Any) -> None:
+    """Atomically replace `path` with `value` as JSON: the source never reads a half-written file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> Any:
+    """What `_replace_json` wrote at `path`; None when nothing has been written yet."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
 
 
 def write_watermarks(path: Path, noted: Mapping[str, Mapping[str, Any]]) -> None:
-    """Atomically replace the file of each kept pid's window watermark and the offsets it has read up to:
+    """The file of each kept pid's window watermark and the offsets it has read up to:
     `{pid: {"watermark": w, "offsets": {stream: next}}}`."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(noted))
-    os.replace(tmp, path)
+    _replace_json(path, noted)
 
 
 def read_watermarks(path: Path) -> dict[str, Any]:
     """The file `write_watermarks` wrote; empty when there is none yet."""
-    try:
-        return dict(json.loads(path.read_text()))
-    except FileNotFoundError:
-        return {}
-
-
-# --- the results-per-tuple file: written by the sink after every batch, read when a batch is planned ---
+    return dict(_read_json(path) or {})
 
 
 def write_results_per_tuple(path: Path, ratio: float) -> None:
-    """Atomically replace the file of how many results recent batches made per input tuple."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(ratio))
-    os.replace(tmp, path)
+    """The file of how many results recent batches made per input tuple."""
+    _replace_json(path, ratio)
 
 
 def read_results_per_tuple(path: Path) -> float | None:
     """The ratio `write_results_per_tuple` wrote; None before any batch with input."""
-    try:
-        return float(json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
+    ratio = _read_json(path)
+    return None if ratio is None else float(ratio)
 
 
 def tuples_within(max_rows: int, max_results: int, results_per_tuple: float | None) -> int:
