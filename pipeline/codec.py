@@ -8,6 +8,11 @@ Tuple batch (input topics), version 1::
     u8 version | u8 kind=1 | 2 pad | u32 count n | u32 payload_len L | 4 pad     (16-byte header)
     i64[n] id | i64[n] key | i64[n] event_time_ms | u8[n*L] payload
 
+Progress record (input topics), version 1: a partition's producer had no tuple to write, and says how far
+its event time has come (the lateness rule counts it like a tuple's event time, decision 0047)::
+
+    u8 version | u8 kind=3 | 2 pad | u32 0 | u32 0 | 4 pad | i64 event_time_ms
+
 Result batch (results topic), version 1::
 
     u8 version | u8 kind=2 | 2 pad | u32 count n | u32 parts m | 4 pad
@@ -28,6 +33,7 @@ import numpy.typing as npt
 VERSION = 1
 KIND_TUPLES = 1
 KIND_RESULTS = 2
+KIND_PROGRESS = 3
 _HEADER = struct.Struct("<BBxxII4x")
 HEADER_BYTES = _HEADER.size
 
@@ -89,6 +95,18 @@ def encode_tuples(ids: I64, keys: I64, event_times: I64, payload: npt.NDArray[np
             np.ascontiguousarray(payload, dtype=np.uint8).tobytes(),
         )
     )
+
+
+def encode_progress(event_time_ms: int) -> bytes:
+    return _HEADER.pack(VERSION, KIND_PROGRESS, 0, 0) + np.int64(event_time_ms).astype("<i8").tobytes()
+
+
+def progress_of(buf: bytes | None) -> int | None:
+    """The event time of a progress record; None for any other record (tuples or not decodable)."""
+    if buf is None or len(buf) != HEADER_BYTES + 8 or buf[1] != KIND_PROGRESS:
+        return None
+    _header(buf, KIND_PROGRESS)
+    return int(np.frombuffer(buf, dtype="<i8", count=1, offset=HEADER_BYTES)[0])
 
 
 def _header(buf: bytes, kind: int) -> tuple[int, int]:
