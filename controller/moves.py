@@ -98,7 +98,7 @@ def plan_step(
                 mode=m.mode,
                 cutoff=released.cutoff,
                 snapshot=released.snapshot,
-                watermark=released.watermark,
+                stream_max=released.stream_max,
             )
             if m.mode is Mode.PARALLEL_TRACK:
                 tracks[p] = m
@@ -199,7 +199,7 @@ def _resume(view: ControlView, track: MoveSpec, committed: Mapping[str, int] | N
         move_id=f"recover-{uuid.uuid4().hex[:8]}",
         mode=Mode.PARALLEL_TRACK,
         cutoff=committed or released.cutoff,
-        watermark=released.watermark,
+        stream_max=released.stream_max,
         since=released.cutoff,
     )
 

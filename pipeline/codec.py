@@ -48,6 +48,7 @@ class Malformation(IntEnum):
     WRONG_KIND = 3
     WRONG_LENGTH = 4
     WRONG_PARTITION = 5
+    NEGATIVE_ID = 6  # negative ids mark progress rows inside an instance
 
 
 class MalformedRecord(ValueError):
@@ -109,7 +110,7 @@ def progress_of(buf: bytes | None) -> int | None:
     return int(np.frombuffer(buf, dtype="<i8", count=1, offset=HEADER_BYTES)[0])
 
 
-def _header(buf: bytes, kind: int) -> tuple[int, int]:
+def _header(buf: bytes | None, kind: int) -> tuple[int, int]:
     if buf is None or len(buf) < HEADER_BYTES:
         raise MalformedRecord(Malformation.TRUNCATED, f"shorter than the {HEADER_BYTES}-byte header")
     version, got_kind, n, extra = _HEADER.unpack_from(buf)
@@ -137,8 +138,10 @@ def decode_tuples(buf: bytes) -> TupleBatch:
     return TupleBatch(cols[0], cols[1], cols[2], payload)
 
 
-def decode_tuple_columns(buf: bytes) -> tuple[I64, I64, I64]:
+def decode_tuple_columns(buf: bytes | None) -> tuple[I64, I64, I64]:
     """ids, keys, event times without touching the payload (what the join needs)."""
+    if buf is None:
+        raise MalformedRecord(Malformation.TRUNCATED, "no value (a tombstone)")
     n, payload_len = _header(buf, KIND_TUPLES)
     expected = HEADER_BYTES + n * (24 + payload_len)
     if len(buf) != expected:

@@ -2,29 +2,31 @@
 
 One call of `join_step` is one micro-batch of one pid: the pid's window state and the new tuples go in,
 the new state, the results and the late tuples come out. The operator (`pipeline/operator.py`) only
-moves bytes in and out of Spark's state store around it; the oracle reuses `join_parts`.
+moves bytes in and out of Spark's state store around it; the oracle applies the same rule offline.
 
 Semantics. A result is one tuple per stream, all with the same key, with every pair of event times
-within W of each other (equivalently max - min <= W; ties at exactly W join). Each pid keeps a
-watermark wm = max event time seen - allowed lateness. A new tuple with ts < wm is *late*: some of
-its partners may already be purged, so it is not joined but reported (dead-letter topic). Window state
-keeps tuples with ts >= wm - W, which is exactly what any future non-late tuple can still match.
-Each result is produced once, by the batch that delivers its last part (symmetric delta join:
-new_i x (old_j + new_j for j < i) x (old_j for j > i)).
+within W of each other (equivalently max - min <= W; ties at exactly W join). Lateness depends on the
+input alone (decision 0047): a tuple of stream j is *late* when its event time is below the largest
+event time before it in its own input partition (stream j, this pid), tuples and progress records
+alike, minus the allowed lateness. A late tuple is not joined but reported (dead-letter topic). The
+window keeps, per stream, the largest event time seen (`stream_max`), and a tuple of stream i while a
+non-late tuple of some other stream could still match it: ts >= min over j != i of (stream_max[j] -
+lateness) - W. Each result is produced once, by the batch that delivers its last part (symmetric
+delta join: new_i x (old_j + new_j for j < i) x (old_j for j > i)).
+
+Progress records travel as tuples with id `PROGRESS_ID`: they raise their stream's largest event time
+in their place in the partition's order and are never joined, inserted or reported.
 
 Parallel track (PTLB, D-CAPE). While a pid moves in mode `parallel-track`, two instances process its
 tuples from the cutoff on: the sender, whose window holds the tuples from before the cutoff (*old*), and
-the receiver, which starts empty. The sender emits only results with at least one old tuple, the
-receiver those with none, so the two sets are disjoint and together complete. Both must judge every
-new tuple's lateness alike although their micro-batches differ, so during the overlap the rule is one
-that does not depend on batch boundaries: a tuple of stream j is late when its event time is below
-(the largest event time before it in stream j, at least the sender's watermark at the cutoff plus the
-lateness) minus the allowed lateness, and a window purges below the smallest such threshold minus W.
-Only the receiver reports late tuples (the sender would report the same ones). The sender is done once
-every old tuple has left its window; the receiver returns to the plain rule once every stream's threshold
-has passed the newest possible old tuple by W (from then on no new tuple can join an old one, so the
-sender emits nothing the receiver's rule could contradict). Both decisions depend only on the input
-processed so far, so a side re-processing a dead side's input reaches the same state.
+the receiver, which starts empty with the sender's `stream_max` at the cutoff. The sender emits only
+results with at least one old tuple, the receiver those with none, so the two sets are disjoint and
+together complete; both judge lateness by the one rule, which does not depend on their batches. Only
+the receiver reports late tuples (the sender would report the same ones). The sender is done once
+every old tuple has left its window; the receiver once the sender's newest possible old tuple of each
+stream would have left it (no new tuple can join an old one any more). Both
+decisions depend only on the input processed so far, so a side re-processing a dead side's input
+reaches the same state.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import numpy.typing as npt
 import pandas as pd
 
 NO_WATERMARK = np.iinfo(np.int64).min
+PROGRESS_ID = -1
+"""The id of a progress record's row: tuple ids are never negative (the source refuses them)."""
 I64 = npt.NDArray[np.int64]
 
 
@@ -75,22 +79,22 @@ class Part:
 
 @dataclass(frozen=True, slots=True)
 class WindowState:
-    """A pid's window: one Part per stream (configured order) and the pid's watermark.
+    """A pid's window: one Part per stream (configured order) and, per stream, the largest event time
+    seen in its input partition (`NO_WATERMARK` before the first).
 
-    During a parallel-track overlap, `stream_max` holds the per-stream largest event time that the
-    overlap's lateness rule uses (both sides), and `old` (sender side only) the number of leading tuples
-    of each part that arrived before the cutoff.
+    During a parallel-track overlap, `old` (sender side only) holds the number of leading tuples of
+    each part that arrived before the cutoff, and `old_max` (receiver side only), per stream, the newest
+    event time an old tuple can have (the sender's `stream_max` at the cutoff).
     """
 
     parts: tuple[Part, ...]
-    watermark: int = int(NO_WATERMARK)
-    stream_max: tuple[int, ...] | None = None
+    stream_max: tuple[int, ...]
     old: tuple[int, ...] | None = None
-    old_max: int | None = None  # receiver side: the newest event time an old tuple can have
+    old_max: tuple[int, ...] | None = None
 
     @staticmethod
     def empty(streams: int) -> WindowState:
-        return WindowState(tuple(Part.empty() for _ in range(streams)))
+        return WindowState(tuple(Part.empty() for _ in range(streams)), (int(NO_WATERMARK),) * streams)
 
     @property
     def tuples(self) -> int:
@@ -168,24 +172,42 @@ def _minus(t: int, lateness_ms: int) -> int:
     return t if t == NO_WATERMARK else t - lateness_ms
 
 
-def _split_late(state: WindowState, new: list[Part], lateness_ms: int) -> tuple[list[Part], list[Part]]:
-    """(accepted, late) per stream, by the pid's watermark or, during an overlap, the per-stream rule."""
+def split_late(
+    stream_max: tuple[int, ...], new: list[Part], lateness_ms: int
+) -> tuple[list[Part], list[Part], tuple[int, ...]]:
+    """(accepted, late, new stream_max): each stream's new rows in partition order against the
+    largest event time before them in the same stream; progress rows are neither."""
     accepted: list[Part] = []
     late: list[Part] = []
+    maxima = []
     for j, part in enumerate(new):
         if not len(part):
             accepted.append(part)
             late.append(Part.empty())
+            maxima.append(stream_max[j])
             continue
-        if state.stream_max is None:
-            is_late = part.ts < state.watermark
-        else:
-            before = np.maximum.accumulate(np.concatenate(([state.stream_max[j]], part.ts)))[:-1]
-            threshold = np.where(before == NO_WATERMARK, NO_WATERMARK, before - lateness_ms)
-            is_late = part.ts < threshold
-        accepted.append(part.take(~is_late) if is_late.any() else part)
+        running = np.maximum.accumulate(np.concatenate(([stream_max[j]], part.ts)))
+        before = running[:-1]
+        threshold = np.where(before == NO_WATERMARK, NO_WATERMARK, before - lateness_ms)
+        progress = part.ids == PROGRESS_ID
+        is_late = (part.ts < threshold) & ~progress
+        keep = ~(is_late | progress)
+        accepted.append(part if keep.all() else part.take(keep))
         late.append(part.take(is_late) if is_late.any() else Part.empty())
-    return accepted, late
+        maxima.append(int(running[-1]))
+    return accepted, late, tuple(maxima)
+
+
+def horizons(stream_max: tuple[int, ...], window_ms: int, lateness_ms: int) -> list[int]:
+    """Per stream i, the oldest event time a kept tuple can have: W before the lowest event time a
+    non-late tuple of another stream can still bring (no purge while another stream is unseen)."""
+    floors = [_minus(t, lateness_ms) for t in stream_max]
+    out = []
+    for i in range(len(stream_max)):
+        others = [f for j, f in enumerate(floors) if j != i]
+        low = min(others)
+        out.append(int(NO_WATERMARK) if low == NO_WATERMARK else low - window_ms)
+    return out
 
 
 def _delta_join(state: WindowState, accepted: list[Part], window_ms: int) -> Results:
@@ -220,83 +242,57 @@ def _delta_join(state: WindowState, accepted: list[Part], window_ms: int) -> Res
 def join_step(state: WindowState, new: list[Part], window_ms: int, allowed_lateness_ms: int) -> StepOutput:
     """Process one micro-batch of one pid: reject late tuples, emit new results, insert, purge."""
     m = len(state.parts)
-    accepted, late = _split_late(state, new, allowed_lateness_ms)
+    accepted, late, stream_max = split_late(state.stream_max, new, allowed_lateness_ms)
     results = _delta_join(state, accepted, window_ms)
-
-    max_seen = max((int(p.ts.max()) for p in accepted if len(p)), default=None)
-    wm = state.watermark
-    new_wm = wm if max_seen is None else max(wm, max_seen - allowed_lateness_ms)
-    stream_max = state.stream_max
-    if stream_max is None:
-        floor = new_wm
-    else:
-        stream_max = tuple(
-            max(stream_max[j], int(accepted[j].ts.max())) if len(accepted[j]) else stream_max[j]
-            for j in range(m)
-        )
-        floor = min(_minus(t, allowed_lateness_ms) for t in stream_max)
-    horizon = floor - window_ms if floor != NO_WATERMARK else NO_WATERMARK
+    keep_from = horizons(stream_max, window_ms, allowed_lateness_ms)
     parts = []
     old = []
     for j in range(m):
         merged = state.parts[j].concat(accepted[j])
-        keep = merged.ts >= horizon
-        parts.append(merged.take(keep))
+        keep = merged.ts >= keep_from[j]
+        parts.append(merged.take(keep) if not keep.all() else merged)
         if state.old is not None:
             old.append(int(keep[: state.old[j]].sum()))
     if state.old is not None:
         late = [Part.empty() for _ in range(m)]  # the receiver reports them
     old_max = state.old_max
-    if old_max is not None and (old_max == NO_WATERMARK or (horizon != NO_WATERMARK and horizon > old_max)):
-        stream_max, old_max = None, None  # the receiver's overlap is over: back to the plain rule
-    new_state = WindowState(
-        tuple(parts), int(new_wm), stream_max, tuple(old) if state.old is not None else None, old_max
-    )
+    if old_max is not None and all(
+        t == NO_WATERMARK or t < h for t, h in zip(old_max, keep_from, strict=True)
+    ):
+        old_max = None  # the receiver's overlap is over: the sender purged every old tuple by this input
+    new_state = WindowState(tuple(parts), stream_max, tuple(old) if state.old is not None else None, old_max)
     return StepOutput(new_state, results, tuple(late))
 
 
-def begin_old_track(state: WindowState, allowed_lateness_ms: int) -> WindowState:
-    """The sender at the cutoff: every tuple it holds is old; the overlap's lateness rule starts from
-    its watermark (the receiver starts from the same value, shipped in `Released`)."""
-    start = _plus(state.watermark, allowed_lateness_ms)
-    return replace(state, stream_max=(start,) * len(state.parts), old=tuple(len(p) for p in state.parts))
+def begin_old_track(state: WindowState) -> WindowState:
+    """The sender at the cutoff: every tuple it holds is old (the receiver starts from its `stream_max`,
+    shipped in `Released`)."""
+    return replace(state, old=tuple(len(p) for p in state.parts))
 
 
-def begin_new_track(streams: int, watermark: int, allowed_lateness_ms: int) -> WindowState:
-    """The receiver at the cutoff: an empty window under the overlap's lateness rule."""
-    start = _plus(watermark, allowed_lateness_ms)
-    return WindowState(
-        tuple(Part.empty() for _ in range(streams)), watermark, (start,) * streams, None, start
-    )
-
-
-def _plus(t: int, lateness_ms: int) -> int:
-    return t if t == NO_WATERMARK else t + lateness_ms
+def begin_new_track(stream_max: tuple[int, ...]) -> WindowState:
+    """The receiver at the cutoff: an empty window that goes on from the sender's `stream_max`."""
+    return WindowState(tuple(Part.empty() for _ in stream_max), stream_max, None, stream_max)
 
 
 _STATE_HEADER = np.dtype("<i8")
 
 
 def window_to_bytes(state: WindowState) -> bytes:
-    """Serialize a window as raw little-endian columns: [m, wm, flags, n_0..n_{m-1}, stream_max?, old?]
-    then ids|keys|ts per part (flags: 1 = stream_max present, 2 = old present, 4 = old_max follows).
+    """Serialize a window as raw little-endian columns: [m, flags, n_0..n_{m-1}, stream_max_0..m-1, old?,
+    old_max?] then ids|keys|ts per part (flags: 2 = old present, 4 = old_max present; m values each).
 
     Raw columns beat Arrow IPC here: the state store round-trips every pid's window every batch.
     """
-    flags = (
-        (1 if state.stream_max is not None else 0)
-        | (2 if state.old is not None else 0)
-        | (4 if state.old_max is not None else 0)
-    )
+    flags = (2 if state.old is not None else 0) | (4 if state.old_max is not None else 0)
     header = np.array(
         [
             len(state.parts),
-            state.watermark,
             flags,
             *(len(p) for p in state.parts),
-            *(state.stream_max or ()),
+            *state.stream_max,
             *(state.old or ()),
-            *((state.old_max,) if state.old_max is not None else ()),
+            *(state.old_max or ()),
         ],
         dtype="<i8",
     )
@@ -311,39 +307,42 @@ def window_to_bytes(state: WindowState) -> bytes:
 
 
 def window_from_bytes(blob: bytes) -> WindowState:
-    m, _, flags = (int(x) for x in np.frombuffer(blob, dtype="<i8", count=3))
-    size = 3 + m + (m if flags & 1 else 0) + (m if flags & 2 else 0) + (1 if flags & 4 else 0)
-    header = np.frombuffer(blob, dtype="<i8", count=size)
-    wm, counts = int(header[1]), header[3 : 3 + m]
-    extra = [int(x) for x in header[3 + m :]]
-    stream_max = tuple(extra[:m]) if flags & 1 else None
-    old = tuple(extra[m : 2 * m] if flags & 1 else extra[:m]) if flags & 2 else None
-    old_max = extra[-1] if flags & 4 else None
+    m, flags = (int(x) for x in np.frombuffer(blob, dtype="<i8", count=2))
+    size = 2 + 2 * m + (m if flags & 2 else 0) + (m if flags & 4 else 0)
+    header = [int(x) for x in np.frombuffer(blob, dtype="<i8", count=size)]
+    counts = header[2 : 2 + m]
+    stream_max = tuple(header[2 + m : 2 + 2 * m])
+    old = tuple(header[2 + 2 * m : 2 + 3 * m]) if flags & 2 else None
+    old_max = tuple(header[size - m : size]) if flags & 4 else None
     offset = 8 * size
     parts = []
     for n in counts:
-        cols = np.frombuffer(blob, dtype="<i8", count=3 * int(n), offset=offset).reshape(3, int(n))
-        offset += 24 * int(n)
+        cols = np.frombuffer(blob, dtype="<i8", count=3 * n, offset=offset).reshape(3, n)
+        offset += 24 * n
         parts.append(Part(cols[0], cols[1], cols[2]))
-    return WindowState(tuple(parts), wm, stream_max, old, old_max)
+    return WindowState(tuple(parts), stream_max, old, old_max)
 
 
 def install(
-    state: WindowState, parts: list[Part], watermark: int | None, window_ms: int, allowed_lateness_ms: int
+    state: WindowState,
+    parts: list[Part],
+    stream_max: tuple[int, ...] | None,
+    window_ms: int,
+    allowed_lateness_ms: int,
 ) -> WindowState:
     """Take over a moved pid's window: merge its tuples into `state` without probing (their results were
     produced by the previous owner), then purge as `join_step` would.
 
-    `watermark` is the sender's when it was shipped (transfer); for a window rebuilt from the input log
-    (replay) it is None and derived from the tuples, as the sender derived its own.
+    `parts` are a shipped window's tuples (transfer) or the partitions' records from a replay's start,
+    in their order: both are judged by the lateness rule from there, which drops the late ones of a
+    replay (their owner reported them) and nothing of a window (each of its tuples passed the rule
+    against at least these). `stream_max` is the sender's where it is known (a transfer, a resumed
+    parallel track); a replay derives it from the records.
     """
+    parts, _, derived = split_late(state.stream_max, parts, allowed_lateness_ms)
+    if stream_max is not None:
+        derived = tuple(max(a, b) for a, b in zip(derived, stream_max, strict=True))
+    stream_max = derived
+    keep_from = horizons(stream_max, window_ms, allowed_lateness_ms)
     merged = [state.parts[j].concat(parts[j]) for j in range(len(state.parts))]
-    max_seen = max((int(p.ts.max()) for p in parts if len(p)), default=None)
-    wm = state.watermark
-    if watermark is not None:
-        wm = max(wm, watermark)
-    elif max_seen is not None:
-        wm = max(wm, max_seen - allowed_lateness_ms)
-    if wm == NO_WATERMARK:
-        return WindowState(tuple(merged), wm)
-    return WindowState(tuple(p.take(p.ts >= wm - window_ms) for p in merged), int(wm))
+    return WindowState(tuple(p.take(p.ts >= keep_from[j]) for j, p in enumerate(merged)), stream_max)

@@ -14,9 +14,9 @@ late       1      tuple key        event time         stream index     tuple id 
 malformed  2      stream index     reason code        0                Kafka offset          0
 stats      3      window tuples    newest event time  state bytes      tuples in (batch)     results
 state      4      tuple key        event time         stream index     tuple id              0
-released   5      exported tuples  watermark          0                0                     0
+released   5      exported tuples  0                  0                stream_max[0]         stream_max[j]
 track done 6      0                0                  side (1 old/2 new) 0                     0
-watermark  7      0                window watermark   0                0                     0
+watermark  7      0                0                  0                stream_max[0]         stream_max[j]
 =========  =====  ===============  =================  ===============  ====================  ==========
 
 A `result` row carries up to RESULTS_PER_MESSAGE of a pid's results in its `payload` column, already
@@ -27,10 +27,11 @@ input tuple (decision 0044).
 
 `state` rows are a released pid's window, exported for its new owner (handoff mode `transfer`); the
 `released` row closes every release, exported or not, and the beginning of a parallel-track overlap on
-the sender (whose watermark the receiver starts from). `track done`: in this batch the sender's last old
-tuple left the window, or the receiver returned to the plain lateness rule. `watermark`: the window's
-watermark as this batch leaves it, for each pid the instance keeps; the sink notes them, so that a
-parallel track can start from the batch's plan, before the batch that begins it has run.
+the sender (whose largest event time per stream, `stream_max`, the receiver starts from). `track done`:
+in this batch the sender's last old tuple left the window, or no new tuple can join an old one any more
+on the receiver. `watermark`: the window's `stream_max` as this batch leaves it, for each pid the
+instance keeps; the sink notes them, so that a parallel track can start from the batch's plan, before
+the batch that begins it has run.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from pipeline.codec import encode_results
 from pipeline.join import (
+    PROGRESS_ID,
     Part,
     Results,
     WindowState,
@@ -138,23 +141,29 @@ def make_join_function(
         if (stream_col == DROP_ROW).any():  # a returning pid: the window of its ended old track goes
             window = WindowState.empty(streams)
 
+        def stream_max_of(rows: npt.NDArray[np.bool_]) -> tuple[int, ...] | None:
+            """A shipped `stream_max`: one row per stream, id = the stream's index, ts = its value."""
+            if not rows.any():
+                return None
+            found = dict(zip(ids[rows].tolist(), ts[rows].tolist(), strict=True))
+            return tuple(int(found[j]) for j in range(streams))
+
         if ((stream_col >= WINDOW_ROW) & (stream_col < SILENT_ROW)).any() or (
             stream_col == WATERMARK_ROW
         ).any():
-            shipped = ts[stream_col == WATERMARK_ROW]
-            wm = int(shipped.max()) if len(shipped) else None
-            window = install(window, rows_of(WINDOW_ROW), wm, window_ms, allowed_lateness_ms)
+            shipped = stream_max_of(stream_col == WATERMARK_ROW)
+            window = install(window, rows_of(WINDOW_ROW), shipped, window_ms, allowed_lateness_ms)
 
         zeros = [0] * (streams - 1)
         track = stream_col == TRACK_ROW
         roles = set(keys[track].tolist())
         if TRACK_NEW in roles:
-            window = begin_new_track(
-                streams, int(ts[track][keys[track] == TRACK_NEW][0]), allowed_lateness_ms
-            )
+            sender_max = stream_max_of(track & (keys == TRACK_NEW))
+            assert sender_max is not None
+            window = begin_new_track(sender_max)
         if TRACK_OLD in roles:
-            window = begin_old_track(window, allowed_lateness_ms)
-            yield _frame(KIND_RELEASED, pid, 0, window.watermark, 0, [0, *zeros], 1)
+            window = begin_old_track(window)
+            yield _frame(KIND_RELEASED, pid, 0, 0, 0, list(window.stream_max), 1)
         receiving = window.old_max is not None
         if (stream_col >= SILENT_ROW).any():  # as the dead instance processed them; its output stands
             window = join_step(window, rows_of(SILENT_ROW), window_ms, allowed_lateness_ms).state
@@ -187,14 +196,14 @@ def make_join_function(
                     if len(part):
                         yield _frame(KIND_STATE, pid, part.keys, part.ts, j, [part.ids, *zeros], len(part))
                         exported += len(part)
-            yield _frame(KIND_RELEASED, pid, exported, out.state.watermark, 0, [0, *zeros], 1)
+            yield _frame(KIND_RELEASED, pid, exported, 0, 0, list(out.state.stream_max), 1)
             state.remove()
             blob, final = b"", WindowState.empty(streams)
         else:
             blob, final = window_to_bytes(out.state), out.state
             state.update((blob,))
-            yield _frame(KIND_WATERMARK, pid, 0, final.watermark, 0, [0, *zeros], 1)
-        accepted = int(sum(len(p) for p in new))
+            yield _frame(KIND_WATERMARK, pid, 0, 0, 0, list(final.stream_max), 1)
+        accepted = int(sum((p.ids != PROGRESS_ID).sum() for p in new))
         # The newest event time read: successive batches' values bound the event time their tuples
         # arrived over, so the controller can tell a pid's arrival rate from a backlog's size.
         newest = max((int(p.ts.max()) for p in new if len(p)), default=0)

@@ -18,12 +18,12 @@ A `replay` needs nothing from S's batch but its cutoff, where that batch begins 
 S announces `Released(p, cutoff)` when it plans the batch, and T starts while S's batch runs.
 
 A `parallel_track` move (PTLB) replaces step 1's barrier by an overlap: S does not stop reading p; its
-batch at the boundary marks its window old and commits `Released(p, cutoff, watermark)` (announced
-already when the batch is planned, if the watermark at the cutoff is known then). Epoch e+2 gives p
-to T (empty window, from the cutoff) and lists p in `tracks`: S keeps reading p and emits the results
-with an old tuple until its old tuples have left the window, then commits `TrackDone(p, old)`, and the
-epoch after lets S go (the track's source becomes ""); T commits `TrackDone(p, new)` when it returns to
-the plain lateness rule; once both are in, the track is dropped.
+batch at the boundary marks its window old and commits `Released(p, cutoff, stream_max)` (announced
+already when the batch is planned, if the window's `stream_max` at the cutoff is known then). Epoch
+e+2 gives p to T (empty window, from the cutoff) and lists p in `tracks`: S keeps reading p and emits
+the results with an old tuple until its old tuples have left the window, then commits
+`TrackDone(p, old)`, and the epoch after lets S go (the track's source becomes ""); T commits
+`TrackDone(p, new)` once no new tuple can join an old one; once both are in, the track is dropped.
 
 Every message carries the complete map, not a diff (a reader needs only the newest assignment), and an
 epoch; instances act on assignments only at batch boundaries and never read or emit a pid they do not own
@@ -71,7 +71,8 @@ class Handoff:
     mode: Mode
     cutoff: Mapping[str, int]  # stream -> first offset the receiver reads
     snapshot: Snapshot | None = None  # transfer only
-    watermark: int | None = None  # parallel_track only: the sender's watermark at the cutoff
+    # parallel_track only: the sender's largest event time per stream at the cutoff (decision 0047)
+    stream_max: tuple[int, ...] | None = None
     # parallel_track recovery: the overlap began at `since`; [since, cutoff) is re-read silently (processed
     # as the dead instance processed it, emitting nothing) before reading on from the cutoff.
     since: Mapping[str, int] | None = None
@@ -112,7 +113,7 @@ class ReleasedMsg:
     """An instance stopped processing `pid`: everything before `cutoff` is in committed output.
 
     `announced`: published when the batch that releases the pid was planned, outside its transaction
-    (a replay, or a parallel track whose watermark is known then). The cutoff is where that batch
+    (a replay, or a parallel track whose `stream_max` is known then). The cutoff is where that batch
     begins, so everything before it is in committed output already."""
 
     instance: str
@@ -121,7 +122,7 @@ class ReleasedMsg:
     move_id: str
     cutoff: Mapping[str, int]
     snapshot: Snapshot | None = None
-    watermark: int | None = None  # parallel_track: the receiver's lateness rule starts from it
+    stream_max: tuple[int, ...] | None = None  # parallel_track: the receiver's lateness rule goes on from it
     announced: bool = False
     version: int = PROTOCOL_VERSION
 
@@ -197,13 +198,17 @@ def snapshot_from_json(d: dict[str, Any] | None) -> Snapshot | None:
     )
 
 
+def _stream_max(v: list[int] | None) -> tuple[int, ...] | None:
+    return tuple(int(t) for t in v) if v is not None else None
+
+
 def handoff_to_json(h: Handoff) -> dict[str, Any]:
     return {
         "move_id": h.move_id,
         "mode": h.mode.value,
         "cutoff": dict(h.cutoff),
         "snapshot": snapshot_to_json(h.snapshot),
-        "watermark": h.watermark,
+        "stream_max": list(h.stream_max) if h.stream_max is not None else None,
         "since": dict(h.since) if h.since is not None else None,
     }
 
@@ -214,7 +219,7 @@ def handoff_from_json(d: dict[str, Any]) -> Handoff:
         mode=Mode(d["mode"]),
         cutoff={s: int(o) for s, o in d["cutoff"].items()},
         snapshot=snapshot_from_json(d.get("snapshot")),
-        watermark=d.get("watermark"),
+        stream_max=_stream_max(d.get("stream_max")),
         since={s: int(o) for s, o in d["since"].items()} if d.get("since") is not None else None,
     )
 
@@ -251,7 +256,7 @@ def encode(msg: Message) -> bytes:
             "move_id": msg.move_id,
             "cutoff": dict(msg.cutoff),
             "snapshot": snapshot_to_json(msg.snapshot),
-            "watermark": msg.watermark,
+            "stream_max": list(msg.stream_max) if msg.stream_max is not None else None,
             "announced": msg.announced,
         }
     elif isinstance(msg, TrackDoneMsg):
@@ -307,7 +312,7 @@ def decode(raw: bytes) -> Message:
                 move_id=d["move_id"],
                 cutoff={s: int(o) for s, o in d["cutoff"].items()},
                 snapshot=snapshot_from_json(d.get("snapshot")),
-                watermark=d.get("watermark"),
+                stream_max=_stream_max(d.get("stream_max")),
                 announced=bool(d.get("announced", False)),
             )
         if kind == "track_done":

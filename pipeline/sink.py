@@ -19,7 +19,7 @@ handoff topic and `Released` to the control topic; a batch that installs taken-o
 control log to its end and aborts if a newer assignment lists this instance as evicted (it was declared
 dead and its pids recovered elsewhere): a stale owner can neither emit nor acknowledge.
 
-After each commit the sink notes every kept pid's window watermark, with the offsets it has read up to,
+After each commit the sink notes every kept pid's window `stream_max`, with the offsets it has read up to,
 in a file the source reads when it plans a batch: a parallel track that begins where the last batch left
 its pid is then announced before its batch runs (decision 0023).
 """
@@ -54,13 +54,23 @@ from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, TrackDoneMsg, 
 from pipeline.source import TRACK_OLD, write_results_per_tuple, write_watermarks
 from pipeline.topics import partition_offsets, read_topic
 
+LATE_REASON = "late: event time below its input partition's newest before it minus the allowed lateness"
 SNAPSHOT_CHUNK_BYTES = 900_000  # keeps each exported-window message under Kafka's 1 MB default
 
 
-def _released_watermark(columns: dict[str, np.ndarray], kind: np.ndarray, pid: int) -> int:
-    """The watermark the operator's `released` row reports for `pid` (a release or an overlap's start)."""
+def _stream_max_columns(
+    columns: dict[str, np.ndarray], rows: np.ndarray, streams: int
+) -> list[tuple[int, ...]]:
+    """The `stream_max` each of `rows` carries in its id columns (`released` and `watermark` rows)."""
+    return list(zip(*(columns[f"id{j}"][rows].tolist() for j in range(streams)), strict=True))
+
+
+def _released_stream_max(
+    columns: dict[str, np.ndarray], kind: np.ndarray, pid: int, streams: int
+) -> tuple[int, ...]:
+    """The `stream_max` the operator's `released` row reports for `pid` (a release or an overlap's start)."""
     closing = (kind == KIND_RELEASED) & (columns["pid"] == pid)
-    return int(columns["ts"][closing][0])
+    return tuple(int(t) for t in _stream_max_columns(columns, closing, streams)[0])
 
 
 class Fenced(RuntimeError):
@@ -132,7 +142,7 @@ class ExactlyOnceSink:
         # its note, and a batch replayed with its output discarded notes nothing.
         self.watermarks_path = watermarks
         self.watermarks_path.unlink(missing_ok=True)
-        self._watermarks: dict[int, int] = {}
+        self._watermarks: dict[int, tuple[int, ...]] = {}
         # Kept across restarts: it describes the workload, not this incarnation's state.
         self.results_per_tuple_path = results_per_tuple
         self._results_per_tuple: deque[float] = deque(maxlen=RESULTS_PER_TUPLE_BATCHES)
@@ -206,16 +216,17 @@ class ExactlyOnceSink:
     def _note_watermarks(
         self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray
     ) -> None:
-        """Note each kept pid's window watermark and the offsets its input reaches after this batch, for
-        the source to announce a parallel track at its plan (`pipeline.source.watermark_at`). A pid the
-        operator was not called for kept its window, and its watermark, whatever its offsets did."""
+        """Note each kept pid's window `stream_max` and the offsets its input reaches after this batch, for
+        the source to announce a parallel track at its plan (`pipeline.source.stream_max_at`). A pid the
+        operator was not called for kept its window, and its `stream_max`, whatever its offsets did."""
         rows = kind == KIND_WATERMARK
-        self._watermarks.update(zip(columns["pid"][rows].tolist(), columns["ts"][rows].tolist(), strict=True))
+        maxima = _stream_max_columns(columns, rows, len(self.streams))
+        self._watermarks.update(zip(columns["pid"][rows].tolist(), maxima, strict=True))
         held = offsets["offsets"]
         kept = held.get(self.streams[0], {})
         self._watermarks = {p: w for p, w in self._watermarks.items() if str(p) in kept}
         noted = {
-            str(p): {"watermark": w, "offsets": {s: held[s][str(p)] for s in self.streams}}
+            str(p): {"stream_max": list(w), "offsets": {s: held[s][str(p)] for s in self.streams}}
             for p, w in self._watermarks.items()
         }
         write_watermarks(self.watermarks_path, noted)
@@ -237,11 +248,12 @@ class ExactlyOnceSink:
             if released["move_id"] is None:
                 continue
             snapshot = self._export(int(p), columns, kind) if released["export"] else None
-            watermark = _released_watermark(columns, kind, int(p)) if released.get("track") else None
-            announced = released.get("watermark")
-            if announced is not None and announced != watermark:
+            track = bool(released.get("track"))
+            stream_max = _released_stream_max(columns, kind, int(p), len(self.streams)) if track else None
+            announced = released.get("stream_max")
+            if announced is not None and tuple(announced) != stream_max:
                 raise RuntimeError(
-                    f"pid {p}'s parallel track began at watermark {watermark}, not at the {announced} "
+                    f"pid {p}'s parallel track began at stream_max {stream_max}, not at the {announced} "
                     "its plan announced"
                 )
             msg = ReleasedMsg(
@@ -251,7 +263,7 @@ class ExactlyOnceSink:
                 move_id=released["move_id"],
                 cutoff=released["cutoff"],
                 snapshot=snapshot,
-                watermark=watermark,
+                stream_max=stream_max,
             )
             publish(self.producer, self.cfg.control_topic, msg)
         ended = kind == KIND_TRACK_DONE
@@ -283,7 +295,8 @@ class ExactlyOnceSink:
             )
             for j in range(len(self.streams))
         )
-        blob = window_to_bytes(WindowState(parts, _released_watermark(columns, kind, pid)))
+        stream_max = _released_stream_max(columns, kind, pid, len(self.streams))
+        blob = window_to_bytes(WindowState(parts, stream_max))
         topic = self.cfg.handoff_topic
         self._delivered = {}
         for i, start in enumerate(range(0, max(1, len(blob)), SNAPSHOT_CHUNK_BYTES)):
@@ -376,7 +389,7 @@ class ExactlyOnceSink:
             if what == "late":
                 stream = self.streams[int(columns["aux"][i])]
                 record = {
-                    "reason": "late: event time older than the pid's watermark",
+                    "reason": LATE_REASON,
                     "stream": stream,
                     "pid": pid,
                     "id": int(columns["id0"][i]),

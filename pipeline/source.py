@@ -32,6 +32,7 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
+from pipeline.join import PROGRESS_ID
 from pipeline.protocol import (
     AssignmentMsg,
     Handoff,
@@ -53,8 +54,10 @@ _ARROW_SCHEMA = pa.schema(
 # Values of the `stream` column besides 0..m-1 (data rows):
 MALFORMED_STREAM = -1  # id = Kafka offset, key = stream index, ts = Malformation code
 RELEASE_ROW = -2  # the pid leaves this instance; key = 1 to export its window
-WATERMARK_ROW = -3  # ts = the watermark of an installed snapshot
-TRACK_ROW = -4  # parallel track begins: key = TRACK_OLD (sender) / TRACK_NEW (ts = the sender's watermark)
+WATERMARK_ROW = -3  # id = stream index j, ts = stream_max[j] of an installed snapshot or a resumed track
+# TRACK_ROW: a parallel track begins; key = TRACK_OLD (sender) or TRACK_NEW (receiver: one row per stream,
+# id = j, ts = the sender's stream_max[j])
+TRACK_ROW = -4
 TRACK_OLD, TRACK_NEW = 1, 2
 DROP_ROW = -5  # the window this instance still holds for the pid is stale: dropped before anything else
 WINDOW_ROW = 16  # WINDOW_ROW + j: a window tuple of stream j to install, not to join
@@ -167,8 +170,8 @@ def _read_json(path: Path) -> Any:
 
 
 def write_watermarks(path: Path, noted: Mapping[str, Mapping[str, Any]]) -> None:
-    """The file of each kept pid's window watermark and the offsets it has read up to:
-    `{pid: {"watermark": w, "offsets": {stream: next}}}`."""
+    """The file of each kept pid's window `stream_max` and the offsets it has read up to:
+    `{pid: {"stream_max": [t_0, ...], "offsets": {stream: next}}}`."""
     _replace_json(path, noted)
 
 
@@ -197,11 +200,13 @@ def tuples_within(max_rows: int, max_results: int, results_per_tuple: float | No
     return max(1, min(max_rows, int(max_results / results_per_tuple)))
 
 
-def watermark_at(noted: Mapping[str, Any], pid: int, cutoff: Mapping[str, int]) -> int | None:
-    """Pid's window watermark where its input reaches `cutoff`, if the file noted it there (else None: the
-    window at the cutoff is not known before the batch runs)."""
+def stream_max_at(noted: Mapping[str, Any], pid: int, cutoff: Mapping[str, int]) -> tuple[int, ...] | None:
+    """Pid's window `stream_max` where its input reaches `cutoff`, if the file noted it there (else None:
+    the window at the cutoff is not known before the batch runs)."""
     entry = noted.get(str(pid))
-    return int(entry["watermark"]) if entry is not None and entry["offsets"] == dict(cutoff) else None
+    if entry is None or entry["offsets"] != dict(cutoff):
+        return None
+    return tuple(int(t) for t in entry["stream_max"])
 
 
 # --- offsets ---
@@ -238,7 +243,7 @@ class HandoffWork:
 
     releases: tuple[tuple[int, bool], ...] = ()
     snapshots: tuple[tuple[int, Snapshot], ...] = ()
-    markers: tuple[tuple[int, int, int, int], ...] = ()  # (pid, stream code, key, ts): track rows
+    markers: tuple[tuple[int, int, int, int, int], ...] = ()  # (pid, stream code, id, key, ts): track rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,9 +287,10 @@ def whole_pids_within(start: Offsets, latest: Offsets, cap: int, first_pid: int)
     """Cap a batch at about `cap` messages by taking whole pids (every stream of a pid up to its latest
     offset) round robin from `first_pid`; returns the end offsets and the pid to start from next time.
 
-    Whole pids keep a pid's streams aligned in event time: cutting each stream's backlog separately lets
-    a sparse stream run seconds ahead of a dense one, and the pid's watermark would then reject the dense
-    stream's tuples as late. At least one pid is taken, however large its backlog.
+    Whole pids keep a pid's streams close in event time: cutting each stream's backlog separately lets
+    a sparse stream run seconds ahead of a dense one, and the window then holds the sparse stream's
+    tuples until the dense one catches up (lateness does not depend on it, decision 0047). At least one
+    pid is taken, however large its backlog.
     """
     streams = list(latest)
     pids = sorted(int(p) for p in latest[streams[0]])
@@ -375,8 +381,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
     release commits with it, on the very instance a move relieves; this way the release costs one
     batch's fixed cost, and the receiver reads the moved pids' part of the backlog.
 
-    A replay, and a parallel track whose window watermark the sink noted at the start of the batch
-    (`watermark_at`), need no batch to release them: the cutoff is where the batch begins, the batch
+    A replay, and a parallel track whose window `stream_max` the sink noted at the start of the batch
+    (`stream_max_at`), need no batch to release them: the cutoff is where the batch begins, the batch
     reads nothing of the pid, and the `Released` goes out as soon as the batch is planned
     (`partitions`; decisions 0023, 0035, 0037). The batch reads its other pids as usual.
 
@@ -453,7 +459,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         first = self.streams[0]
         before: dict[str, dict[str, Any]] = offset.get("tracking", {})
         tracking: dict[str, dict[str, Any]] = {}
-        markers: list[tuple[int, int, int, int]] = []
+        markers: list[tuple[int, int, int, int, int]] = []
         tracked_moves = {p: m for p, m in owned.releasing.items() if m.mode is Mode.PARALLEL_TRACK}
         starting = {p: m for p, m in tracked_moves.items() if before.get(str(p), {}).get("role") != "old"}
         returning = {p for p in owned.pids if before.get(str(p), {}).get("role") == "old"}
@@ -465,7 +471,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         for key, t in before.items():
             if int(key) in kept and (t["role"] == "old" or int(key) in owned.new_tracks):
                 tracking[key] = t
-        markers.extend((p, DROP_ROW, 0, 0) for p in sorted(returning))
+        markers.extend((p, DROP_ROW, 0, 0, 0) for p in sorted(returning))
         released: dict[str, dict[str, Any]] = {}
         for p in sorted(int(p) for p in current.get(first, {}) if int(p) not in held):
             move = owned.releasing.get(p)
@@ -503,22 +509,22 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 str(p), {"move_id": move.move_id, "export": False, "announce": False, "cutoff": cutoff}
             )
             released[str(p)]["track"] = True
-            watermark = watermark_at(noted, p, cutoff) if self.control_topic else None
-            if watermark is not None:  # announced when the batch is planned (`partitions`)
-                released[str(p)] |= {"watermark": watermark, "announce": True}
+            stream_max = stream_max_at(noted, p, cutoff) if self.control_topic else None
+            if stream_max is not None:  # announced when the batch is planned (`partitions`)
+                released[str(p)] |= {"stream_max": list(stream_max), "announce": True}
             tracking[str(p)] = {"role": "old", "move_id": move.move_id}
-            markers.append((p, TRACK_ROW, TRACK_OLD, 0))
+            markers.append((p, TRACK_ROW, 0, TRACK_OLD, 0))
         acquired: dict[str, dict[str, Any]] = {}
         for p, resume in sorted(owned.track_handoffs.items()):
             if str(p) in keep[first]:
                 continue  # resumed already
-            assert resume.since is not None and resume.watermark is not None
+            assert resume.since is not None and resume.stream_max is not None
             for s in self.streams:
                 keep[s][str(p)] = resume.cutoff[s]
             since = self._replay_from(p, resume.since)
             acquired[str(p)] = {"handoff": handoff_to_json(resume), "replay_from": since}
-            markers.append((p, WATERMARK_ROW, 0, resume.watermark))
-            markers.append((p, TRACK_ROW, TRACK_OLD, 0))
+            markers.extend((p, WATERMARK_ROW, j, 0, t) for j, t in enumerate(resume.stream_max))
+            markers.append((p, TRACK_ROW, 0, TRACK_OLD, 0))
             tracking[str(p)] = {"role": "old", "move_id": owned.old_tracks[p]}
         for p in new:
             handoff = owned.handoffs.get(p)
@@ -531,8 +537,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             replay = self._replay_from(p, handoff.cutoff) if handoff.mode is Mode.REPLAY else None
             acquired[str(p)] = {"handoff": handoff_to_json(handoff), "replay_from": replay}
             if handoff.mode is Mode.PARALLEL_TRACK:
-                assert handoff.watermark is not None, "a parallel_track handoff carries the watermark"
-                markers.append((p, TRACK_ROW, TRACK_NEW, handoff.watermark))
+                assert handoff.stream_max is not None, "a parallel_track handoff carries stream_max"
+                markers.extend((p, TRACK_ROW, j, TRACK_NEW, t) for j, t in enumerate(handoff.stream_max))
                 tracking[str(p)] = {"role": "new", "move_id": owned.new_tracks[p]}
         return {
             "epoch": owned.epoch,
@@ -731,7 +737,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                     replays.append(pid_range(a["replay_from"][s], window_end[s], RangeKind.WINDOW))
                 if window_end[s] < handoff.cutoff[s]:
                     replays.append(pid_range(window_end[s], handoff.cutoff[s], RangeKind.SILENT))
-        markers = tuple((int(p), int(c), int(k), int(t)) for p, c, k, t in end.get("markers", []))
+        markers = tuple((int(p), int(c), int(i), int(k), int(t)) for p, c, i, k, t in end.get("markers", []))
         if releases or snapshots or replays or markers:  # with the first task's reads: a task is a round trip
             first = tasks[0].ranges if tasks else []
             work = HandoffWork(releases, tuple(snapshots), markers)
@@ -741,7 +747,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
     def _announce_releases(self, plan: dict, tracks: bool) -> None:
         """Publish `Released` for the moves out this plan makes, before the batch commits: replays as
         soon as the plan has their cutoff (`tracks` false, from `latestOffset`), parallel tracks whose
-        watermark the plan knows once Spark has logged the plan (`tracks` true, from `partitions`).
+        `stream_max` the plan knows once Spark has logged the plan (`tracks` true, from `partitions`).
 
         Both cutoffs are where this batch begins: the end of the last batch, which has committed
         before Spark asks for the next one's offsets. A replay's is certain before Spark logs the
@@ -770,7 +776,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 move_id=r["move_id"],
                 cutoff=r["cutoff"],
                 snapshot=None,
-                watermark=r.get("watermark"),
+                stream_max=tuple(r["stream_max"]) if r.get("stream_max") is not None else None,
                 announced=True,
             )
             publish(producer, self.control_topic, msg)
@@ -784,7 +790,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         for batch in read_ranges(self.bootstrap, partition.ranges, partition.partitions):
             yield batch
             code, ts = batch.column("stream").to_numpy(), batch.column("ts").to_numpy()
-            data = (code >= 0) & (code < WINDOW_ROW)
+            data = (code >= 0) & (code < WINDOW_ROW) & (batch.column("id").to_numpy() != PROGRESS_ID)
             if data.any():  # one range: one pid, one stream
                 key = (int(batch.column("pid")[0].as_py()), int(code[data][0]))
                 n, newest = read.get(key, (0, 0))
@@ -838,7 +844,7 @@ def _producer(bootstrap: str) -> Any:
 
 
 def handoff_rows(bootstrap: str, work: HandoffWork, streams: int) -> Iterator[pa.RecordBatch]:
-    """Marker rows for released pids; the window rows and watermark row of each snapshot."""
+    """Marker rows for released pids; the window rows and `stream_max` rows of each snapshot."""
     from pipeline.join import window_from_bytes
 
     for pid, export in work.releases:
@@ -851,9 +857,10 @@ def handoff_rows(bootstrap: str, work: HandoffWork, streams: int) -> Iterator[pa
             if len(part):
                 kinds = np.full(len(part), WINDOW_ROW + j, np.int8)
                 yield _rows(pid, kinds, part.ids, part.keys, part.ts)
-        yield _rows(pid, np.array([WATERMARK_ROW], np.int8), [0], [0], [window.watermark])
-    for pid, code, key, ts in work.markers:
-        yield _rows(pid, np.array([code], np.int8), [0], [key], [ts])
+        n = len(window.stream_max)
+        yield _rows(pid, np.full(n, WATERMARK_ROW, np.int8), np.arange(n), np.zeros(n), window.stream_max)
+    for pid, code, i, key, ts in work.markers:
+        yield _rows(pid, np.array([code], np.int8), [i], [key], [ts])
 
 
 def read_snapshot(bootstrap: str, snapshot: Snapshot) -> bytes:
@@ -953,7 +960,7 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
     """
     from confluent_kafka import KafkaError, TopicPartition
 
-    from pipeline.codec import Malformation, MalformedRecord, decode_tuple_columns
+    from pipeline.codec import Malformation, MalformedRecord, decode_tuple_columns, progress_of
     from pipeline.partitioning import pids_of
 
     ranges = list(dict.fromkeys(ranges))
@@ -988,7 +995,7 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                         pending.discard(tp)  # only transaction markers were left before the end
                         continue
                     raise RuntimeError(f"reading {tp}: {err}")
-                assert off is not None and value is not None
+                assert off is not None
                 if tp not in pending or off >= last_end[tp]:
                     pending.discard(tp)
                     continue
@@ -1000,10 +1007,16 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                 into = next((r for r in by_tp[tp] if r.start <= off < r.end), None)
                 if into is None:
                     continue  # between two ranges
+                progress = progress_of(value)
+                if progress is not None:  # counts for lateness in its place, joins nothing
+                    cols[into].append((np.array([PROGRESS_ID]), np.zeros(1, np.int64), np.array([progress])))
+                    continue
                 try:
                     ids, keys, ts = decode_tuple_columns(value)
                     if len(keys) and (pids_of(keys, partitions) != into.pid).any():
                         raise MalformedRecord(Malformation.WRONG_PARTITION, "key of another pid")
+                    if len(ids) and (ids < 0).any():
+                        raise MalformedRecord(Malformation.NEGATIVE_ID, "a negative tuple id")
                     cols[into].append((ids, keys, ts))
                 except MalformedRecord as exc:
                     if into.kind is RangeKind.INPUT:  # a re-read was reported when first read

@@ -124,15 +124,22 @@ def test_an_old_side_that_learns_its_track_ended_with_the_pids_return_enters_it_
     assert tracking["tracking"] == {"1": {"role": "old", "move_id": "m-out"}}
     assert tracking["offsets"]["A"]["1"] == 30, "the old side reads on"
 
-    back = Handoff(move_id="m-back", mode=Mode.PARALLEL_TRACK, cutoff={"A": 20, "B": 25}, watermark=7)
+    back = Handoff(move_id="m-back", mode=Mode.PARALLEL_TRACK, cutoff={"A": 20, "B": 25}, stream_max=(7, 9))
     returned = plan(
         tracking,
         OwnedPids(epoch=5, pids=frozenset({0, 1}), handoffs={1: back}, new_tracks={1: "m-back"}),
     )
     assert list(returned["acquired"]) == ["1"]
     assert returned["tracking"] == {"1": {"role": "new", "move_id": "m-back"}}
-    assert [m[:2] for m in returned["markers"] if m[0] == 1] == [(1, DROP_ROW), (1, TRACK_ROW)]
-    assert (1, TRACK_ROW, TRACK_NEW, 7) in returned["markers"]
+    assert [m[:2] for m in returned["markers"] if m[0] == 1] == [
+        (1, DROP_ROW),
+        (1, TRACK_ROW),
+        (1, TRACK_ROW),
+    ]
+    assert [m for m in returned["markers"] if m[1] == TRACK_ROW] == [
+        (1, TRACK_ROW, 0, TRACK_NEW, 7),
+        (1, TRACK_ROW, 1, TRACK_NEW, 9),
+    ]
     assert {s: returned["from"][s]["1"] for s in ("A", "B")} == {"A": 20, "B": 25}
     tasks = reader.partitions(tracking, returned)
     ranges = [r for task in tasks if isinstance(task, KafkaPidPartition) for r in task.ranges if r.pid == 1]
@@ -156,11 +163,11 @@ def test_an_old_side_that_learns_its_track_ended_with_the_pids_return_enters_it_
 def test_a_parallel_track_is_announced_when_its_batch_is_planned(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
-    """Pid 1 moves by parallel track from an instance whose sink noted pid 1's window watermark at the
+    """Pid 1 moves by parallel track from an instance whose sink noted pid 1's window `stream_max` at the
     offsets the next batch starts from. `Released` must reach the control topic when that batch's
     partitions are planned, after Spark has logged its offsets (not from `latestOffset`: the old side
-    lives in the logged plan, decision 0040), with the cutoff and watermark the batch will begin the
-    overlap at; the batch itself reads on. Noted at other offsets, the watermark is not known before
+    lives in the logged plan, decision 0040), with the cutoff and `stream_max` the batch will begin the
+    overlap at; the batch itself reads on. Noted at other offsets, `stream_max` is not known before
     the batch runs, and nothing is announced."""
     cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
     ensure_topics(cfg, kafka_bootstrap)
@@ -174,11 +181,11 @@ def test_a_parallel_track_is_announced_when_its_batch_is_planned(
     out = MoveSpec(move_id="m-out", pid=1, source="here", target="there", mode=Mode.PARALLEL_TRACK)
     moving = OwnedPids(epoch=1, pids=frozenset({0}), releasing={1: out})
 
-    write_watermarks(watermarks, {"1": {"watermark": 27, "offsets": {"A": 29, "B": 30}}})
+    write_watermarks(watermarks, {"1": {"stream_max": [27, 28], "offsets": {"A": 29, "B": 30}}})
     unknown = plan(owning, moving)
-    assert unknown["released"]["1"]["track"] and "watermark" not in unknown["released"]["1"]
+    assert unknown["released"]["1"]["track"] and "stream_max" not in unknown["released"]["1"]
 
-    write_watermarks(watermarks, {"1": {"watermark": 27, "offsets": {"A": 30, "B": 30}}})
+    write_watermarks(watermarks, {"1": {"stream_max": [27, 28], "offsets": {"A": 30, "B": 30}}})
     log = ControlLog(kafka_bootstrap, cfg.control_topic)
     try:
         tracking = plan(owning, moving)
@@ -188,7 +195,7 @@ def test_a_parallel_track_is_announced_when_its_batch_is_planned(
             "announce": True,
             "cutoff": {"A": 30, "B": 30},
             "track": True,
-            "watermark": 27,
+            "stream_max": [27, 28],
         }
         assert tracking["offsets"]["A"]["1"] == 40, "the batch reads on"
         assert "m-out" not in log.catch_up().released, "announced before Spark logged the plan"
@@ -197,7 +204,7 @@ def test_a_parallel_track_is_announced_when_its_batch_is_planned(
     finally:
         log.close()
     assert (released.instance, released.epoch, released.pid) == ("here", 1, 1)
-    assert (released.cutoff, released.watermark, released.snapshot) == ({"A": 30, "B": 30}, 27, None)
+    assert (released.cutoff, released.stream_max, released.snapshot) == ({"A": 30, "B": 30}, (27, 28), None)
 
 
 def test_a_replay_is_announced_at_its_plan_with_its_cutoff_where_the_batch_begins(

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.join import (
-    NO_WATERMARK,
+    PROGRESS_ID,
     Part,
     WindowState,
     begin_new_track,
@@ -101,20 +101,85 @@ def test_ties_at_exactly_w_join_and_beyond_w_do_not() -> None:
 
 def test_late_tuples_are_reported_not_joined() -> None:
     state = WindowState.empty(2)
-    out = join_step(state, [as_part([(0, 1, 1000)]), as_part([])], window_ms=50, allowed_lateness_ms=10)
-    assert out.state.watermark == 990
-    late_b = as_part([(5, 1, 989), (6, 1, 990)])
-    out2 = join_step(out.state, [as_part([]), late_b], window_ms=50, allowed_lateness_ms=10)
-    assert result_set(out2.results.ids) == [(0, 6)]
-    assert out2.late[1].ids.tolist() == [5]
+    out = join_step(
+        state, [as_part([(0, 1, 1000)]), as_part([(9, 1, 995)])], window_ms=50, allowed_lateness_ms=10
+    )
+    assert out.state.stream_max == (1000, 995)
+    late_a = as_part([(5, 1, 989), (6, 1, 990)])
+    out2 = join_step(out.state, [late_a, as_part([])], window_ms=50, allowed_lateness_ms=10)
+    assert result_set(out2.results.ids) == [(6, 9)]
+    assert out2.late[0].ids.tolist() == [5]
+
+
+def test_a_stream_is_never_late_because_another_stream_is_ahead() -> None:
+    """B arrives 60 s of event time behind A, as after an uneven catch-up: none of B is late."""
+    ahead = join_step(WindowState.empty(2), [as_part([(0, 1, 60_000)]), as_part([])], 1_000, 2_000)
+    behind = join_step(ahead.state, [as_part([]), as_part([(0, 1, 100), (1, 1, 59_500)])], 1_000, 2_000)
+    assert not any(len(p) for p in behind.late)
+    assert result_set(behind.results.ids) == [(0, 1)]
 
 
 def test_purge_keeps_exactly_what_future_tuples_can_match() -> None:
     state = WindowState.empty(2)
-    out = join_step(state, [as_part([(0, 1, 0), (1, 1, 50), (2, 1, 100)]), as_part([])], 30, 20)
-    # watermark = 100 - 20 = 80; keep ts >= 80 - 30 = 50
+    out = join_step(state, [as_part([(0, 1, 0), (1, 1, 50), (2, 1, 100)]), as_part([(0, 1, 100)])], 30, 20)
+    # B can still bring ts >= 100 - 20 = 80, so A keeps ts >= 80 - 30 = 50; A's own tuples do not purge A
     assert out.state.parts[0].ts.tolist() == [50, 100]
-    assert NO_WATERMARK < out.state.watermark == 80
+    assert out.state.parts[1].ts.tolist() == [100]
+
+
+def test_a_progress_record_raises_its_stream_and_purges_the_others() -> None:
+    a = as_part([(0, 1, 0), (1, 1, 100)])
+    silent_b = as_part([(PROGRESS_ID, 0, 100)])
+    out = join_step(WindowState.empty(2), [a, silent_b], 30, 20)
+    assert out.state.parts[0].ts.tolist() == [100] and len(out.state.parts[1]) == 0
+    assert out.state.stream_max == (100, 100) and not len(out.results)
+    late_b = join_step(out.state, [as_part([]), as_part([(3, 1, 79)])], 30, 20)
+    assert late_b.late[1].ids.tolist() == [3], "after the progress record at 100, 79 is late"
+
+
+def late_by_the_rule(stream: list[Tuple3], lateness: int) -> set[int]:
+    """A partition's late tuple ids, straight from the rule: below the largest earlier event time minus
+    the lateness (progress records, id PROGRESS_ID, count and are never late)."""
+    late, newest = set(), None
+    for i, _, t in stream:
+        if i != PROGRESS_ID and newest is not None and t < newest - lateness:
+            late.add(i)
+        newest = t if newest is None else max(newest, t)
+    return late
+
+
+with_progress = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 60), st.booleans()),  # (key, ts, is a progress record)
+    max_size=25,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    m=st.integers(2, 3),
+    data=st.data(),
+    window=st.integers(0, 12),
+    lateness=st.integers(0, 8),
+    batches=st.integers(1, 5),
+)
+def test_output_and_late_set_depend_on_the_input_alone(
+    m: int, data: st.DataObject, window: int, lateness: int, batches: int
+) -> None:
+    """Any split of the streams into micro-batches, each stream cut on its own (every interleaving of the
+    streams' reads), gives the join of the tuples the rule calls on time, and reports exactly the late."""
+    raw = [data.draw(with_progress) for _ in range(m)]
+    streams = [[(PROGRESS_ID if progress else i, k, t) for i, (k, t, progress) in enumerate(s)] for s in raw]
+    late = [late_by_the_rule(s, lateness) for s in streams]
+    on_time = [[x for x in s if x[0] != PROGRESS_ID and x[0] not in late[j]] for j, s in enumerate(streams)]
+    expected = sorted(brute_force(on_time, window))
+    for _ in range(2):
+        cuts = [
+            sorted(data.draw(st.lists(st.integers(0, len(s)), min_size=batches - 1, max_size=batches - 1)))
+            for s in streams
+        ]
+        _, produced, reported = _run(WindowState.empty(m), streams, cuts, window, lateness)
+        assert sorted(produced) == expected
+        assert reported == late
 
 
 @settings(max_examples=300, deadline=None)
@@ -140,8 +205,8 @@ def test_parallel_track_sender_and_receiver_emit_disjoint_complete_results(
         return [sorted(data.draw(st.lists(st.integers(0, len(p)), min_size=n, max_size=n))) for p in parts]
 
     sender, produced, late = _run(WindowState.empty(m), before, draw_cuts(before, 2), window, lateness)
-    sender = begin_old_track(sender, lateness)
-    receiver = begin_new_track(m, sender.watermark, lateness)
+    sender = begin_old_track(sender)
+    receiver = begin_new_track(sender.stream_max)
     sender, from_sender, sender_late = _run(sender, after, draw_cuts(after, 3), window, lateness)
     receiver, from_receiver, receiver_late = _run(receiver, after, draw_cuts(after, 2), window, lateness)
     assert all(not s for s in sender_late), "only the receiver reports"
@@ -151,22 +216,22 @@ def test_parallel_track_sender_and_receiver_emit_disjoint_complete_results(
     assert sorted(everything) == sorted(brute_force(kept, window))
     assert len(everything) == len(set(everything)), "a result was produced twice"
     assert receiver.old is None and sender.old is not None
-    if sender.old_tuples == 0 and sender.stream_max is not None and min(sender.stream_max) != NO_WATERMARK:
-        assert receiver.stream_max is None, "both sides passed the old tuples: the receiver is done too"
+    if receiver.old_max is None:
+        assert sender.old_tuples == 0, "the receiver ended its overlap while the sender held old tuples"
 
 
 def test_sender_lets_go_once_every_stream_passed_its_old_tuples() -> None:
     out = join_step(WindowState.empty(2), [as_part([(0, 1, 100)]), as_part([(0, 1, 100)])], 10, 5)
-    sender = begin_old_track(out.state, 5)
+    sender = begin_old_track(out.state)
     assert sender.old_tuples == 2
     only_a = join_step(sender, [as_part([(1, 1, 200)]), as_part([])], 10, 5)
-    assert only_a.state.old_tuples == 2, "stream B has not passed 100 + W + lateness: partners may come"
+    assert only_a.state.old == (1, 0), "B may still bring partners of A's 100; A can no longer bring B's"
     both = join_step(only_a.state, [as_part([]), as_part([(1, 1, 200)])], 10, 5)
     assert both.state.old_tuples == 0
-    receiver = begin_new_track(2, sender.watermark, 5)
-    assert receiver.old_max == 100
+    receiver = begin_new_track(sender.stream_max)
+    assert receiver.old_max == (100, 100)
     receiver = join_step(receiver, [as_part([(1, 1, 200)]), as_part([(1, 1, 112)])], 10, 5).state
-    assert receiver.stream_max is not None, "B's threshold 107 is within W of an old tuple at 100"
+    assert receiver.old_max == (100, 100), "B's threshold 107 is within W of an old tuple at 100"
     receiver = join_step(receiver, [as_part([]), as_part([(2, 1, 200)])], 10, 5).state
-    assert receiver.stream_max is None and receiver.old_max is None
+    assert receiver.old_max is None
     assert window_from_bytes(window_to_bytes(receiver)) == receiver

@@ -153,7 +153,9 @@ def _overlap() -> ControlView:
     view = fold([START])
     for msg in (
         step(view, requested=[PT]),
-        ReleasedMsg(instance="a", epoch=1, pid=1, move_id="pt", cutoff={"A": 5, "B": 6}, watermark=900),
+        ReleasedMsg(
+            instance="a", epoch=1, pid=1, move_id="pt", cutoff={"A": 5, "B": 6}, stream_max=(900, 901)
+        ),
     ):
         assert msg is not None
         view = view.apply(msg)
@@ -166,7 +168,7 @@ def test_a_parallel_track_keeps_both_sides_until_both_are_done() -> None:
     view = _overlap()
     a = view.assignment
     assert a is not None and a.owners[1] == "b" and a.tracks == {1: PT}
-    assert a.handoffs[1].watermark == 900 and a.handoffs[1].since is None
+    assert a.handoffs[1].stream_max == (900, 901) and a.handoffs[1].since is None
     assert step(view, requested=[replace(PT, move_id="again", source="b", target="c")]) is None, (
         "no other move of a pid in a parallel track"
     )
@@ -187,7 +189,7 @@ def test_a_dead_sender_of_a_parallel_track_is_resumed_on_a_third_instance() -> N
     assert msg is not None and msg.tracks[1].source == "c", "never the receiver: its state key is taken"
     resume = msg.track_handoffs[1]
     assert resume.cutoff == {"A": 101, "B": 201} and resume.since == {"A": 5, "B": 6}
-    assert resume.watermark == 900 and "a@ia" in msg.evicted
+    assert resume.stream_max == (900, 901) and "a@ia" in msg.evicted
 
 
 def test_a_dead_receiver_of_a_parallel_track_is_resumed_from_the_cutoff() -> None:
@@ -195,7 +197,7 @@ def test_a_dead_receiver_of_a_parallel_track_is_resumed_from_the_cutoff() -> Non
     b_dead = Liveness(live={"a": "ia", "c": "ic"}, dead=frozenset({"b"}), incarnations={"b": "ib"})
     msg = step(view, b_dead)
     assert msg is not None and msg.owners[1] == "c" and msg.tracks[1].target == "c"
-    assert msg.handoffs[1].mode is Mode.PARALLEL_TRACK and msg.handoffs[1].watermark == 900
+    assert msg.handoffs[1].mode is Mode.PARALLEL_TRACK and msg.handoffs[1].stream_max == (900, 901)
 
 
 def test_a_dead_receiver_whose_part_of_the_overlap_ended_is_recovered_by_plain_replay() -> None:
