@@ -174,11 +174,13 @@ def _drain(follower: MetricsFollower) -> Iterator[dict[str, Any]]:
 
 def decode_messages(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """`mapInArrow` body for the built-in baseline: Kafka values (tuple batches) -> (key, ts) rows."""
-    from pipeline.codec import decode_tuple_columns
+    from pipeline.codec import decode_tuple_columns, progress_of
 
     for batch in batches:
         keys, ts = [], []
         for value in batch.column("value").to_pylist():
+            if progress_of(value) is not None:
+                continue  # a progress record: no tuples
             _, k, t = decode_tuple_columns(value)
             keys.append(k)
             ts.append(t)
@@ -623,7 +625,16 @@ def measure_skew_point(
         pipeline.stop()
     moves = sum(1 for line in (work / "controller.log").read_text().splitlines() if line.endswith("started"))
     if drain_s is None:
-        unknown = ("latency_p50_s", "latency_p99_s", "results", "missing", "duplicate", "spurious", "late")
+        unknown = (
+            "latency_p50_s",
+            "latency_p99_s",
+            "results",
+            "missing",
+            "duplicate",
+            "spurious",
+            "late_expected",
+            "late_reported",
+        )
         unfinished = {
             "drain_s": None,
             "sustained": False,
@@ -647,7 +658,8 @@ def measure_skew_point(
         "missing": report.missing,
         "duplicate": report.duplicate,
         "spurious": report.spurious,
-        "late": report.late,
+        "late_expected": report.late_expected,
+        "late_reported": report.late_reported,
         "exact": report.exact,
     }
     say(f"skew: {policy} at {rate:,.0f} tuples/s: {point}")

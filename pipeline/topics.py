@@ -206,7 +206,17 @@ def _await_visible(admin: AdminClient, bootstrap: str, specs: list[TopicSpec], t
 
 
 def read_topic(bootstrap: str, topic: str, timeout_s: float = 120.0) -> Iterator[tuple[int, int, bytes]]:
-    """Every committed message of `topic` up to its current end: (partition, offset, value)."""
+    """Every committed message of `topic` up to its current end that has a value: (partition, offset,
+    value). A tombstone carries nothing for the readers of fluxjoin's own topics."""
+    for partition, offset, value in read_records(bootstrap, topic, timeout_s):
+        if value is not None:
+            yield partition, offset, value
+
+
+def read_records(
+    bootstrap: str, topic: str, timeout_s: float = 120.0
+) -> Iterator[tuple[int, int, bytes | None]]:
+    """Every committed message of `topic` up to its current end, tombstones (None) included."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -243,7 +253,7 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 120.0) -> Iterator
                         continue
                     raise RuntimeError(f"reading {topic}: {err}")
                 partition, offset, value = msg.partition(), msg.offset(), msg.value()
-                assert partition is not None and offset is not None and value is not None
+                assert partition is not None and offset is not None
                 if offset >= ends[partition] - 1:
                     pending.discard(partition)
                 if offset < ends[partition]:

@@ -17,7 +17,8 @@ from controller.local import LocalPipeline, backlog, committed_offsets, wait_dra
 from generator.producer import run_generator
 from pipeline.config import Config, load_config
 from pipeline.control import wait_for
-from pipeline.oracle import read_topic, verify_pipeline
+from pipeline.oracle import verify_pipeline
+from pipeline.topics import read_topic
 
 
 def small_config(prefix: str, *extra: str) -> Config:
