@@ -222,7 +222,7 @@ def test_exact_needs_the_dead_letters_to_match_the_rule() -> None:
     ok = judge(
         inputs, every, [np.array([3]), np.array([], np.int64)], window_ms=10, lateness_ms=5, partitions=4
     )
-    assert ok.exact and ok.late == ok.late_expected == 1
+    assert ok.exact and ok.late_reported == ok.late_expected == 1
     assert (ok.missing, ok.duplicate, ok.spurious, ok.missing_by_pid) == (0, 0, 0, {})
     assert "-> EXACT" in ok.describe()
     silent = judge(inputs, every, [np.array([], np.int64)] * 2, window_ms=10, lateness_ms=5, partitions=4)
