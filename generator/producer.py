@@ -13,27 +13,49 @@ and a max-rate run of one configuration carry the same tuples; only `start_ms` d
 Message layout: value = `codec.encode_tuples` of tuples of one stream and one pid, in arrival order;
 partition = pid; key = the pid as a decimal ASCII string (b"17"), readable in any Kafka tool and
 redundant with the partition by design (design.md section 2: Kafka message key == pid).
+
+Lateness is a property of the input (decision 0047): a tuple is late when its event time is below the
+largest event time of the tuples and progress records before it in its input partition (stream, pid),
+minus allowed_lateness_ms. The generator writes every partition in nondecreasing event time, so none
+of its tuples is late, except the `late_tuples` it injects on purpose (each in its own message, right
+after the tuple it is late against). `MessagePlanner` (pure) turns slices into the messages to write
+and adds a progress record to every partition idle for `progress_interval_ms` of event time, at an
+event time no later tuple of the partition is below. `silences` drop tuples at the source;
+`stream_lag_ms` (real time) holds a stream's messages back.
+
+Tuple ids are unique per stream across runs on one pipeline: a run numbers its tuples from one past
+the largest id already in the stream's topic (`largest_ids`), its `id_base`.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from generator.keys import KeySampler, stream_rng
-from generator.schedules import ArrivalProcess, rate_at
-from pipeline.codec import HEADER_BYTES, encode_tuples
+from generator.schedules import ArrivalProcess, rate_at, time_of_count
+from pipeline.codec import (
+    HEADER_BYTES,
+    MalformedRecord,
+    decode_tuple_columns,
+    encode_progress,
+    encode_tuples,
+    progress_of,
+)
 from pipeline.config import Config
 from pipeline.partitioning import pids_of, stable_hash
-from pipeline.topics import KAFKA_LOG, ensure_topics
+from pipeline.topics import BOUNDED_READ, KAFKA_LOG, admin_client, ensure_topics, partition_offsets
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -52,6 +74,18 @@ CHUNK_TUPLES = 200_000
 # Kafka's default max message size is ~1 MB (broker message.max.bytes, client message.max.bytes);
 # messages are split to stay under it whatever tuples_per_message says.
 MAX_MESSAGE_BYTES = 960_000
+
+# Late tuples are spread evenly over this share of the run's expected length, so each finds tuples to
+# follow even when the run ends a little earlier than expected...
+LATE_SPAN = 0.8
+# ...and each is this much below the bound, plus 0..LATE_JITTER_MS - 1 ms (by its number), so late tuples
+# do not all sit exactly one ms below it.
+LATE_JITTER_MS = 8
+# `largest_ids` first reads back this many messages per partition, 8 times more each round in which it
+# found only progress records (or transaction markers).
+ID_SCAN_MESSAGES = 8
+
+_NO_EVENT = np.iinfo(np.int64).min
 
 PRODUCER_CONFIG: dict[str, Any] = {
     "acks": "all",
@@ -73,15 +107,24 @@ class DeliveryError(RuntimeError):
     """Some messages were not acknowledged by the broker."""
 
 
+def _no_late() -> I64:
+    return np.empty(0, dtype=np.int64)
+
+
 @dataclass(frozen=True, slots=True)
 class StreamSlice:
-    """Tuples of one stream in one slice of event time, in arrival order."""
+    """Tuples of one stream in one slice of event time, in arrival order (ids increasing).
+
+    `late` holds the positions of injected late tuples: each follows the tuple it is late against
+    (same key, so same pid) and is the only tuple that breaks the nondecreasing event-time order.
+    """
 
     stream: int
     ids: I64
     keys: I64
     offsets_ms: I64  # event time minus the run's start_ms
     payload: U8  # shape (n, payload_bytes)
+    late: I64 = field(default_factory=_no_late)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -115,12 +158,27 @@ class TupleSource:
     Stops at `duration_s` of event time or after `max_tuples` tuples in total. The max_tuples cut keeps
     the earliest tuples across all streams (by event time, then stream index), so it, too, does not
     depend on slicing.
+
+    Ids: stream i numbers its arrivals id_base[i], id_base[i] + 1, ... in arrival order; a silenced
+    arrival keeps its number and is dropped (the others' ids do not change), and an injected late tuple
+    takes the number after the tuple it follows (the later ones move up by one). So ids increase in
+    arrival order, hence in each partition's offset order, which `largest_ids` relies on.
+
+    Late tuples: number j (of `late_tuples`) belongs to stream j mod S and is due at event-time offset
+    LATE_SPAN x expected length x (j + 1/2) / late_tuples. It follows the stream's first tuple at or
+    after that offset, with its key and an event time `allowed_lateness_ms` + 1 + (j mod LATE_JITTER_MS)
+    ms below that tuple's. The generator writes each partition in nondecreasing event time (progress
+    records included), so that tuple's event time is the partition's largest so far and the late tuple
+    is late by the rule. Which tuple it follows depends on the tuples alone, not on slicing. A late
+    tuple whose stream has no tuple left after its due offset is not injected (`late_injected` says).
     """
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, id_base: Sequence[int] | None = None) -> None:
         g = cfg.generator
         self.streams = list(cfg.streams)
+        self.partitions = cfg.partitions
         self.payload_bytes = g.payload_bytes
+        self.lateness_ms = cfg.allowed_lateness_ms
         self.duration_s = g.duration_s if g.duration_s is not None else math.inf
         self._remaining = g.max_tuples if g.max_tuples is not None else math.inf
         self._schedules = [cfg.rate_for(s) for s in cfg.streams]
@@ -130,7 +188,27 @@ class TupleSource:
         ]
         self._keys = [KeySampler(g.keys, g.seed, i, cfg.partitions) for i in range(len(cfg.streams))]
         self._salts = [payload_salt(g.seed, i) for i in range(len(cfg.streams))]
-        self.produced = [0] * len(cfg.streams)
+        self.id_base = list(id_base) if id_base is not None else [0] * len(cfg.streams)
+        if len(self.id_base) != len(cfg.streams) or min(self.id_base) < 0:
+            raise ValueError(f"id_base needs one non-negative base per stream, got {self.id_base}")
+        self._next_id = list(self.id_base)
+        # Per stream: (from_ms, to_ms, pids) of its silences.
+        self._silences: list[list[tuple[float, float, I64]]] = [[] for _ in cfg.streams]
+        for silence in g.silences:
+            pids = np.array(sorted(set(silence.pids)), dtype=np.int64)
+            rule = (silence.from_s * 1000.0, silence.to_s * 1000.0, pids)
+            self._silences[cfg.streams.index(silence.stream)].append(rule)
+        # Per stream: (late tuple number, due offset in s), in due order.
+        self._late_due: list[deque[tuple[int, float]]] = [deque() for _ in cfg.streams]
+        if g.late_tuples:
+            expected_s = self.duration_s
+            if g.max_tuples is not None:
+                expected_s = min(expected_s, time_of_count(self._schedules, g.max_tuples))
+            for j in range(g.late_tuples):
+                due = LATE_SPAN * expected_s * (j + 0.5) / g.late_tuples
+                self._late_due[j % len(cfg.streams)].append((j, due))
+        self.produced = [0] * len(cfg.streams)  # tuples handed out per stream, late ones included
+        self.late_injected = 0
         self.end_s = 0.0  # event time up to which slices have been handed out
         self.done = False
 
@@ -148,31 +226,80 @@ class TupleSource:
         end_s = min(end_s, self.duration_s)
         times = [a.take_until(end_s) for a in self._arrivals]
         self.end_s = max(self.end_s, end_s)
-        total = sum(len(t) for t in times)
+        keys = [self._keys[i].sample(len(t), t) for i, t in enumerate(times)]
+        # Arrival numbers (within this take) of the tuples that exist: all but the silenced.
+        kept = [self._not_silenced(i, keys[i], t) for i, t in enumerate(times)]
+        survivors = [t[k] for t, k in zip(times, kept, strict=True)]
+        total = sum(len(t) for t in survivors)
         if total >= self._remaining:
-            times = self._cut(times, int(self._remaining))
+            survivors = self._cut(survivors, int(self._remaining))
+            kept = [k[: len(t)] for k, t in zip(kept, survivors, strict=True)]
             total = int(self._remaining)
             self.done = True
         self._remaining -= total
         if end_s >= self.duration_s or math.isinf(self.next_arrival_s()):
             self.done = True
         slices = []
-        for i, t in enumerate(times):
-            n = len(t)
-            if n == 0:
-                continue
-            ids = np.arange(self.produced[i], self.produced[i] + n, dtype=np.int64)
-            self.produced[i] += n
-            slices.append(
-                StreamSlice(
-                    stream=i,
-                    ids=ids,
-                    keys=self._keys[i].sample(n, t),
-                    offsets_ms=np.floor(t * 1000.0).astype(np.int64),
-                    payload=payloads(ids, self._salts[i], self.payload_bytes),
-                )
-            )
+        for i, t in enumerate(survivors):
+            sl = self._slice(i, t, kept[i], keys[i][kept[i]])
+            self._next_id[i] += len(times[i]) + len(sl.late)
+            if len(sl):
+                slices.append(sl)
         return slices
+
+    def _not_silenced(self, stream: int, keys: I64, times: npt.NDArray[np.float64]) -> I64:
+        """Positions of the arrivals no silence of `stream` covers."""
+        rules = self._silences[stream]
+        if not rules or len(times) == 0:
+            return np.arange(len(times), dtype=np.int64)
+        offsets = np.floor(times * 1000.0)
+        pids = pids_of(keys, self.partitions)
+        drop = np.zeros(len(times), dtype=bool)
+        for from_ms, to_ms, silent in rules:
+            span = (offsets >= from_ms) & (offsets < to_ms)
+            if span.any():
+                drop |= span & np.isin(pids, silent)
+        return np.flatnonzero(~drop).astype(np.int64)
+
+    def _slice(self, stream: int, times: npt.NDArray[np.float64], arrival: I64, keys: I64) -> StreamSlice:
+        """The slice of the surviving arrivals (their times, numbers, keys), late tuples inserted."""
+        base = self._next_id[stream]
+        offsets = np.floor(times * 1000.0).astype(np.int64)
+        after: list[int] = []  # survivor position each due late tuple follows (nondecreasing)
+        numbers: list[int] = []
+        due = self._late_due[stream]
+        while due:
+            pos = int(np.searchsorted(times, due[0][1], side="left"))
+            if pos >= len(times):
+                break  # no tuple at or after its due offset yet: a later slice gets it
+            numbers.append(due.popleft()[0])
+            after.append(pos)
+        if not after:
+            ids = base + arrival
+            late = _no_late()
+        else:
+            at = np.array(after, dtype=np.int64)
+            m = len(at)
+            # A survivor's id counts the late tuples before it; late tuple r follows survivor at[r].
+            ids = base + arrival + np.searchsorted(at, np.arange(len(arrival)), side="left")
+            late_ids = base + arrival[at] + 1 + np.arange(m, dtype=np.int64)
+            jitter = np.array(numbers, dtype=np.int64) % LATE_JITTER_MS
+            late_offsets = offsets[at] - self.lateness_ms - 1 - jitter
+            ids = np.insert(ids, at + 1, late_ids)
+            keys = np.insert(keys, at + 1, keys[at])
+            offsets = np.insert(offsets, at + 1, late_offsets)
+            late = at + 1 + np.arange(m, dtype=np.int64)
+            self.late_injected += m
+        ids = ids.astype(np.int64, copy=False)
+        self.produced[stream] += len(ids)
+        return StreamSlice(
+            stream=stream,
+            ids=ids,
+            keys=keys,
+            offsets_ms=offsets,
+            payload=payloads(ids, self._salts[stream], self.payload_bytes),
+            late=late,
+        )
 
     @staticmethod
     def _cut(times: list[npt.NDArray[np.float64]], keep: int) -> list[npt.NDArray[np.float64]]:
@@ -184,13 +311,28 @@ class TupleSource:
         return [t[: counts[i]] for i, t in enumerate(times)]
 
 
+class Encoded(NamedTuple):
+    """One message of a stream slice: its pid, value, first and largest event time, tuple count, and
+    whether it is an injected late tuple (such a message holds that one tuple)."""
+
+    pid: int
+    value: bytes
+    first_ms: int
+    max_ms: int
+    tuples: int
+    late: bool
+
+
 def encode_slice(
     sl: StreamSlice, start_ms: int, partitions: int, tuples_per_message: int
-) -> Iterator[tuple[int, bytes, int]]:
-    """(pid, message value, first event time) for one stream slice: grouped by pid, arrival order kept.
+) -> Iterator[Encoded]:
+    """The messages of one stream slice: grouped by pid, arrival order kept.
 
     The first (smallest) event time becomes the Kafka message timestamp, so a pid's input can be found
     by event time (`offsets_for_times`), which the `replay` handoff relies on in both generator modes.
+    A late tuple gets a message of its own, right after the message ending with the tuple it follows:
+    so every message's first event time is its smallest, and the late tuple comes after (in offset
+    order) the event time it is late against.
     Vectorized grouping (one stable sort by pid), then per-message work only.
     """
     pids = pids_of(sl.keys, partitions)
@@ -203,17 +345,223 @@ def encode_slice(
     counts = np.bincount(pids, minlength=partitions)
     bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
     per_message = max_tuples_per_message(tuples_per_message, sl.payload.shape[1])
+    late: set[int] = set()
+    cuts: list[int] = []  # sorted positions (after grouping) where a message must end
+    if len(sl.late):
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order), dtype=np.int64)
+        late = set(rank[sl.late].tolist())
+        cuts = sorted(late | {p + 1 for p in late})
     for pid in np.flatnonzero(counts).tolist():
-        hi = bounds[pid + 1]
-        for lo in range(bounds[pid], hi, per_message):
-            up = min(lo + per_message, hi)
-            value = encode_tuples(ids[lo:up], keys[lo:up], event_times[lo:up], payload[lo:up])
-            yield pid, value, int(event_times[lo])
+        first, hi = bounds[pid], bounds[pid + 1]
+        edges = [first, hi]
+        if cuts:
+            inner = cuts[bisect.bisect_right(cuts, first) : bisect.bisect_left(cuts, hi)]
+            edges = [first, *inner, hi]
+        for a, b in itertools.pairwise(edges):
+            for lo in range(a, b, per_message):
+                up = min(lo + per_message, b)
+                value = encode_tuples(ids[lo:up], keys[lo:up], event_times[lo:up], payload[lo:up])
+                # Tuples of a message other than a late one are in nondecreasing event time.
+                yield Encoded(pid, value, int(event_times[lo]), int(event_times[up - 1]), up - lo, lo in late)
 
 
 def max_tuples_per_message(tuples_per_message: int, payload_bytes: int) -> int:
     """tuples_per_message, lowered if needed so a message stays under MAX_MESSAGE_BYTES."""
     return max(1, min(tuples_per_message, (MAX_MESSAGE_BYTES - HEADER_BYTES) // (24 + payload_bytes)))
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One message to produce: to partition `pid` of stream number `stream`'s topic."""
+
+    stream: int
+    pid: int
+    value: bytes
+    timestamp_ms: int  # the Kafka message timestamp: its first event time
+    tuples: int  # 0 for a progress record
+    late: bool = False  # an injected late tuple (alone in its message)
+
+
+class MessagePlanner:
+    """What the generator writes, in order: a slice's messages, then progress records; pure.
+
+    Keeps per input partition (stream, pid) the largest event time written to it (tuples and progress
+    records). After each slice, a partition whose largest is `progress_interval_ms` or more below the
+    slice's end (or the run's start, if nothing was written to it yet) gets a progress record at the
+    slice's end: the next slice starts there and no later tuple's event time is below it (arrival times
+    only grow, and floor to ms keeps the order), so the record never makes a later tuple late. A busy
+    partition gets none; an idle one, one per interval: cheap even for many partitions.
+
+    The largest event time written is also what makes an injected late tuple late: it is checked here
+    against the partition's largest, where the rule judges it. Other producers writing to the same
+    partitions can only raise that largest, so the tuple stays late whatever they write.
+    """
+
+    def __init__(self, cfg: Config, start_ms: int) -> None:
+        g = cfg.generator
+        self.start_ms = start_ms
+        self.partitions = cfg.partitions
+        self.tuples_per_message = g.tuples_per_message
+        self.lateness_ms = cfg.allowed_lateness_ms
+        self.interval_ms = g.progress_interval_ms
+        self.largest = np.full((len(cfg.streams), cfg.partitions), _NO_EVENT, dtype=np.int64)
+        self.progress_records = 0
+        self.late_written = 0
+
+    def plan(self, slices: list[StreamSlice], end_s: float) -> list[Record]:
+        """The messages of `slices` (tuples with event time < end_s), then the progress records due."""
+        out: list[Record] = []
+        for sl in slices:
+            largest = self.largest[sl.stream]
+            for e in encode_slice(sl, self.start_ms, self.partitions, self.tuples_per_message):
+                if e.late:
+                    bound = int(largest[e.pid]) - self.lateness_ms
+                    if not (largest[e.pid] != _NO_EVENT and e.max_ms < bound):
+                        raise RuntimeError(
+                            f"generator bug: a late tuple at {e.max_ms} is not below {bound} in pid {e.pid}"
+                        )
+                    self.late_written += e.tuples
+                elif e.max_ms > largest[e.pid]:
+                    largest[e.pid] = e.max_ms
+                out.append(Record(sl.stream, e.pid, e.value, e.first_ms, e.tuples, e.late))
+        now_ms = self.start_ms + math.floor(end_s * 1000.0)
+        idle = np.maximum(self.largest, self.start_ms) <= now_ms - self.interval_ms
+        if idle.any():
+            value = encode_progress(now_ms)
+            for stream, pid in zip(*np.nonzero(idle), strict=True):
+                out.append(Record(int(stream), int(pid), value, now_ms, 0))
+            self.largest[idle] = now_ms
+            self.progress_records += int(idle.sum())
+        return out
+
+
+class HeldBack:
+    """The messages of lagged streams (`stream_lag_ms`, real time), each stream in its own order.
+
+    Pure: the caller says what time it is. A batch planned when event time reached `event_s` is due at
+    `event_s` + the stream's lag (seconds since the run's start), so its messages are produced at least
+    the lag after the event times they carry.
+    """
+
+    def __init__(self, lag_s: dict[int, float]) -> None:
+        self._lag = {stream: lag for stream, lag in lag_s.items() if lag > 0}
+        self._queues: dict[int, deque[tuple[float, list[Record]]]] = {s: deque() for s in self._lag}
+
+    def hold(self, records: list[Record], event_s: float) -> list[Record]:
+        """Keep the records of lagged streams; return the others (to produce now)."""
+        if not self._lag:
+            return records
+        now: list[Record] = []
+        held: dict[int, list[Record]] = {}
+        for r in records:
+            if r.stream in self._lag:
+                held.setdefault(r.stream, []).append(r)
+            else:
+                now.append(r)
+        for stream, rs in held.items():
+            self._queues[stream].append((event_s + self._lag[stream], rs))
+        return now
+
+    def release(self, now_s: float) -> list[Record]:
+        """The held records due by `now_s`, in order per stream (all of them for +inf)."""
+        out: list[Record] = []
+        for queue in self._queues.values():
+            while queue and queue[0][0] <= now_s:
+                out.extend(queue.popleft()[1])
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(rs) for q in self._queues.values() for _, rs in q)
+
+
+def largest_ids(cfg: Config, bootstrap: str, timeout_s: float = 60.0) -> list[int]:
+    """Per stream, the largest tuple id in its input topic (-1 when it holds no tuple).
+
+    A run's ids increase in production order per stream, so a partition's last tuple record holds its
+    largest id, and the topic's largest is the largest over partitions. Reads back the last
+    ID_SCAN_MESSAGES messages of each partition (read_committed) and takes the largest id of the tuple
+    records among them; a partition where it found none (only progress records, transaction markers,
+    or records that do not decode) is read back 8 times further, until one is found or the partition's
+    start is reached. The high watermark may point past transaction markers, which is why it reads a
+    window rather than one message. Written by other producers in another order, a partition's largest
+    id may lie further back: not found.
+    """
+    topics = cfg.input_topics
+    parts = [(t, p) for t in topics for p in range(cfg.partitions)]
+    admin = admin_client(bootstrap)
+    low = partition_offsets(admin, parts, latest=False, timeout_s=timeout_s)
+    high = partition_offsets(admin, parts, latest=True, timeout_s=timeout_s)
+    largest = dict.fromkeys(topics, -1)
+    window = {tp: ID_SCAN_MESSAGES for tp in parts if high[tp] > low[tp]}
+    if not window:
+        return [-1] * len(topics)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "fluxjoin-unused",  # nothing is committed
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed",
+        }
+        | BOUNDED_READ,
+        logger=KAFKA_LOG,
+    )
+    try:
+        while window:
+            ranges = {tp: (max(low[tp], high[tp] - w), high[tp]) for tp, w in window.items()}
+            found = _largest_in(consumer, ranges, timeout_s)
+            wider = {}
+            for tp, w in window.items():
+                if tp in found:
+                    largest[tp[0]] = max(largest[tp[0]], found[tp])
+                elif ranges[tp][0] > low[tp]:
+                    wider[tp] = w * 8
+            window = wider
+    finally:
+        consumer.close()
+    return [largest[t] for t in topics]
+
+
+def _largest_in(
+    consumer: Consumer, ranges: dict[tuple[str, int], tuple[int, int]], timeout_s: float
+) -> dict[tuple[str, int], int]:
+    """(topic, partition) -> largest tuple id in its offsets [start, end), for those holding a tuple."""
+    consumer.assign([TopicPartition(t, p, start) for (t, p), (start, _) in ranges.items()])
+    pending = set(ranges)
+    found: dict[tuple[str, int], int] = {}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"could not read back the input topics' ends within {timeout_s:g} s")
+        for msg in consumer.consume(num_messages=10_000, timeout=0.5):
+            topic, partition = msg.topic(), msg.partition()
+            assert topic is not None and partition is not None
+            tp = (topic, partition)
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    pending.discard(tp)  # the rest before the end were transaction markers
+                    continue
+                raise RuntimeError(f"reading {topic}[{partition}]: {err}")
+            offset = msg.offset()
+            assert offset is not None
+            if tp not in pending or offset >= ranges[tp][1]:
+                pending.discard(tp)  # written since the ends were looked up: not this run's concern
+                continue
+            if offset + 1 >= ranges[tp][1]:
+                pending.discard(tp)
+            value = msg.value()
+            try:
+                if value is None or progress_of(value) is not None:
+                    continue
+                ids = decode_tuple_columns(value)[0]
+            except MalformedRecord:
+                continue
+            if len(ids):
+                found[tp] = max(found.get(tp, -1), int(ids.max()))
+    consumer.unassign()
+    return found
 
 
 class _Sender:
@@ -300,14 +648,21 @@ def run_generator(
 ) -> dict[str, Any]:
     """Create the topics, then produce the configured streams until duration, max_tuples or `stop`.
 
-    Returns {"tuples", "per_stream", "messages", "bytes", "seconds", "tuples_per_s", "start_ms"};
-    raises DeliveryError if any message was not acknowledged, BrokerUnreachable / TopicError from
-    topic creation.
+    Returns {"tuples", "per_stream", "messages", "bytes", "seconds", "tuples_per_s", "start_ms",
+    "progress_records", "late_injected", "id_base"}: `tuples` and `per_stream` count every tuple
+    written (injected late ones included), `messages` progress records too, `id_base` is the first id
+    of each stream's run. Raises DeliveryError if any message was not acknowledged, BrokerUnreachable /
+    TopicError from topic creation.
+
+    Held-back messages of lagged streams are produced when due; when `stop` ends the run, at once (no
+    message is lost).
     """
     ensure_topics(cfg, bootstrap)
     stop = stop or threading.Event()
     g = cfg.generator
-    source = TupleSource(cfg)
+    # Ids continue after the largest in each stream's topic: unique per stream across runs.
+    id_base = [largest + 1 for largest in largest_ids(cfg, bootstrap)]
+    source = TupleSource(cfg, id_base=id_base)
     topics = cfg.input_topics
     # Real time: a tick's messages are all produced at its end, so lingering only adds latency.
     linger = {"linger.ms": 5} if g.mode == "real_time" else {}
@@ -315,27 +670,34 @@ def run_generator(
     display = _Progress(progress, g.max_tuples)
     started = time.monotonic()
     start_ms = time.time_ns() // 1_000_000
+    planner = MessagePlanner(cfg, start_ms)
+    held = HeldBack({i: g.stream_lag_ms.get(s, 0) / 1000.0 for i, s in enumerate(cfg.streams)})
     tuples = 0
 
-    def emit(slices: list[StreamSlice]) -> None:
+    def send(records: list[Record]) -> None:
         nonlocal tuples
-        for sl in slices:
-            topic = topics[sl.stream]
-            for pid, value, first_ms in encode_slice(sl, start_ms, cfg.partitions, g.tuples_per_message):
-                sender.send(topic, pid, value, first_ms)
-            tuples += len(sl)
+        for r in records:
+            sender.send(topics[r.stream], r.pid, r.value, r.timestamp_ms)
+            tuples += r.tuples
         sender.producer.poll(0)
         display.update(tuples, time.monotonic() - started)
 
+    def emit(slices: list[StreamSlice]) -> None:
+        send(held.hold(planner.plan(slices, source.end_s), source.end_s))
+
     try:
         if g.mode == "real_time":
-            # Produce at the end of each tick what arrived during it: event time <= produce time.
-            while not source.done and not stop.is_set():
+            # Produce at the end of each tick what arrived during it: event time <= produce time. Once
+            # the source is done, tick on while lagged streams still hold messages back.
+            while not (source.done and not len(held)) and not stop.is_set():
                 now_s = time.monotonic() - started
                 next_tick = (math.floor(now_s / TICK_S) + 1) * TICK_S
                 if stop.wait(max(0.0, next_tick - now_s)):
                     break
-                emit(source.take(time.monotonic() - started))
+                now_s = time.monotonic() - started
+                if not source.done:
+                    emit(source.take(now_s))
+                send(held.release(now_s))
         else:
             # Virtual clock: all streams advance together chunk by chunk, as fast as the producer goes.
             while not source.done and not stop.is_set():
@@ -345,6 +707,7 @@ def run_generator(
                 rate = source.total_rate_at(t0)
                 chunk = min(MAX_CHUNK_S, CHUNK_TUPLES / rate) if rate > 0 else MAX_CHUNK_S
                 emit(source.take(t0 + chunk))
+        send(held.release(math.inf))
         sender.finish()
     finally:
         display.close()
@@ -357,4 +720,7 @@ def run_generator(
         "seconds": round(seconds, 3),
         "tuples_per_s": round(tuples / seconds, 1) if seconds > 0 else 0.0,
         "start_ms": start_ms,
+        "progress_records": planner.progress_records,
+        "late_injected": planner.late_written,
+        "id_base": dict(zip(cfg.streams, id_base, strict=True)),
     }

@@ -129,6 +129,23 @@ KeyDistribution = Annotated[
 ]
 
 
+class Silence(_Strict):
+    """Stream `stream` has no tuples on `pids` with event-time offset (since the run's start) in
+    [from_s, to_s): they are dropped at the source, as if they never arrived, while progress records keep
+    saying how far those partitions have come (decision 0047). For tests and demos of an idle partition."""
+
+    stream: str
+    pids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    from_s: float = Field(ge=0)
+    to_s: float
+
+    @model_validator(mode="after")
+    def _span(self) -> Silence:
+        if self.to_s <= self.from_s:
+            raise ValueError(f"silence of {self.stream}: to_s ({self.to_s}) must be > from_s ({self.from_s})")
+        return self
+
+
 class GeneratorConfig(_Strict):
     rate: RateSchedule = Field(default_factory=ConstantRate)
     # Per-stream overrides of `rate`, by stream name.
@@ -143,6 +160,43 @@ class GeneratorConfig(_Strict):
     mode: Literal["real_time", "max_rate"] = "real_time"
     duration_s: float | None = Field(60.0, gt=0)
     max_tuples: int | None = Field(None, ge=1)
+    # A partition (stream, pid) the generator has written nothing to for this much event time gets a
+    # progress record: without one, an idle partition holds its pid's windows of the other streams
+    # (its next tuple may be as old as its last one minus the allowed lateness; decision 0047).
+    progress_interval_ms: int = Field(1000, ge=1)
+    # Spans in which a stream writes no tuples on some pids (progress records continue); see Silence.
+    silences: list[Silence] = Field(default_factory=list)
+    # real_time only: a stream's messages are produced this many ms after their event time, as from a
+    # producer that runs behind the others. A max-rate run has no wall clock to lag behind.
+    stream_lag_ms: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    # Tuples written late by the rule on purpose (below their partition's largest event time minus
+    # allowed_lateness_ms), spread over the first 80% of the run; they need an expected end of the run.
+    late_tuples: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _modes(self) -> GeneratorConfig:
+        if self.mode == "max_rate" and any(self.stream_lag_ms.values()):
+            raise ValueError(
+                "generator.stream_lag_ms needs mode real_time: a max-rate run produces on a virtual clock, "
+                "so there is no wall-clock time for a stream to lag behind"
+            )
+        if self.late_tuples and self.duration_s is None and self.max_tuples is None:
+            raise ValueError(
+                "generator.late_tuples needs generator.duration_s or generator.max_tuples "
+                "(late tuples are spread over the run's expected length)"
+            )
+        return self
+
+    def check_streams(self, streams: list[str], partitions: int) -> None:
+        """Stream names and pids of silences and lags exist in the pipeline (Config's validator calls it)."""
+        for i, silence in enumerate(self.silences):
+            if silence.stream not in streams:
+                raise ValueError(f"generator.silences[{i}].stream {silence.stream!r} is not one of {streams}")
+            if max(silence.pids) >= partitions:
+                raise ValueError(f"generator.silences[{i}].pids must be < partitions ({partitions})")
+        unknown = set(self.stream_lag_ms) - set(streams)
+        if unknown:
+            raise ValueError(f"generator.stream_lag_ms names unknown streams: {sorted(unknown)}")
 
 
 class InstanceConfig(_Strict):
@@ -187,6 +241,7 @@ class Config(_Strict):
         unknown = set(self.generator.stream_rates) - set(self.streams)
         if unknown:
             raise ValueError(f"generator.stream_rates names unknown streams: {sorted(unknown)}")
+        self.generator.check_streams(self.streams, self.partitions)
         if self.generator.keys.kind == "hot_pids" and self.generator.keys.count < 8 * self.partitions:
             raise ValueError(
                 f"generator.keys.count must be >= 8 x partitions ({8 * self.partitions}) for hot_pids"

@@ -12,8 +12,8 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import ConfigResource, NewTopic
 
-from generator.producer import run_generator
-from pipeline.codec import decode_tuples
+from generator.producer import ID_SCAN_MESSAGES, run_generator
+from pipeline.codec import decode_tuples, progress_of
 from pipeline.config import Config, load_config
 from pipeline.partitioning import pids_of
 from pipeline.topics import (
@@ -24,6 +24,7 @@ from pipeline.topics import (
     check_reachable,
     delete_topics,
     ensure_topics,
+    partition_offsets,
     topic_specs,
     topics_named_after,
 )
@@ -59,6 +60,11 @@ class Message:
     timestamp_ms: int
     value: bytes
 
+    @property
+    def progress(self) -> int | None:
+        """The event time of a progress record, None for tuples."""
+        return progress_of(self.value)
+
 
 def read_all(bootstrap: str, topic: str, partitions: int) -> list[Message]:
     """Every message of `topic`: read up to the high watermarks, then again while they still move.
@@ -67,12 +73,12 @@ def read_all(bootstrap: str, topic: str, partitions: int) -> list[Message]:
     look raced the broker's last acknowledged append.
     """
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "unused", "enable.auto.commit": False})
+    admin = admin_client(bootstrap)
 
     def high_watermarks() -> dict[int, int]:
-        return {
-            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-            for p in range(partitions)
-        }
+        # One ListOffsets request for all partitions (a watermark query per partition took ~0.4 s each).
+        ends = partition_offsets(admin, [(topic, p) for p in range(partitions)])
+        return {p: ends[(topic, p)] for p in range(partitions)}
 
     try:
         consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
@@ -83,7 +89,8 @@ def read_all(bootstrap: str, topic: str, partitions: int) -> list[Message]:
         while True:
             while any(positions[p] < ends[p] for p in ends):
                 assert time.monotonic() < deadline, f"timed out reading {topic}"
-                for msg in consumer.consume(1000, timeout=1.0):
+                # consume() waits out its timeout unless it gets all 1000: keep the wait short.
+                for msg in consumer.consume(1000, timeout=0.1):
                     assert msg.error() is None, msg.error()
                     partition, offset, value = msg.partition(), msg.offset(), msg.value()
                     assert partition is not None and offset is not None
@@ -104,12 +111,18 @@ def test_generated_tuples_land_in_their_pid_partitions(kafka_bootstrap: str, top
     assert stats["tuples"] == 20_000
     assert sum(stats["per_stream"].values()) == 20_000
     assert set(stats["per_stream"]) == {"A", "B", "C"}
-    messages = 0
+    assert stats["id_base"] == {"A": 0, "B": 0, "C": 0}
+    assert stats["late_injected"] == 0
+    messages = progress = 0
     for stream in cfg.streams:
         ids, event_times = [], []
         for msg in read_all(kafka_bootstrap, cfg.input_topic(stream), PARTITIONS):
             messages += 1
             assert msg.key == str(msg.partition).encode()
+            if msg.progress is not None:
+                assert msg.timestamp_ms == msg.progress
+                progress += 1
+                continue
             batch = decode_tuples(msg.value)
             assert 0 < len(batch) <= 64
             assert batch.payload.shape[1] == 10
@@ -123,6 +136,7 @@ def test_generated_tuples_land_in_their_pid_partitions(kafka_bootstrap: str, top
         times = np.concatenate(event_times)
         assert times.min() >= stats["start_ms"]
     assert messages == stats["messages"]
+    assert progress == stats["progress_records"]
 
 
 def test_real_time_event_time_tracks_produce_time(kafka_bootstrap: str, topic_prefix: str) -> None:
@@ -141,6 +155,8 @@ def test_real_time_event_time_tracks_produce_time(kafka_bootstrap: str, topic_pr
     assert stats["per_stream"]["A"] == pytest.approx(7500, rel=0.2)
     newest = []
     for msg in read_all(kafka_bootstrap, cfg.input_topic("A"), PARTITIONS):
+        if msg.progress is not None:
+            continue
         batch = decode_tuples(msg.value)
         # The message timestamp is its first event time (the replay handoff seeks by it).
         assert msg.timestamp_ms == int(batch.event_times.min())
@@ -161,6 +177,8 @@ def test_real_time_and_max_rate_carry_the_same_tuples(kafka_bootstrap: str, topi
     def tuples(cfg: Config, start_ms: int) -> np.ndarray:
         rows = []
         for msg in read_all(kafka_bootstrap, cfg.input_topic("B"), PARTITIONS):
+            if msg.progress is not None:
+                continue
             b = decode_tuples(msg.value)
             rows.append(np.column_stack([b.ids, b.keys, b.event_times - start_ms, b.payload]))
         table = np.concatenate(rows)
@@ -168,6 +186,141 @@ def test_real_time_and_max_rate_carry_the_same_tuples(kafka_bootstrap: str, topi
         return table[np.argsort(table[:, 0])]
 
     np.testing.assert_array_equal(tuples(rt, rt_stats["start_ms"]), tuples(mr, mr_stats["start_ms"]))
+
+
+def late_by_the_rule(messages: list[Message], lateness_ms: int) -> list[int]:
+    """Decision 0047 from a topic alone: per partition in offset order, the ids of the tuples below the
+    largest event time of the tuples and progress records before them, minus the lateness."""
+    late: list[int] = []
+    largest: dict[int, int] = {}
+    for msg in messages:  # read_all keeps each partition's offset order
+        p = msg.partition
+        if msg.progress is not None:
+            largest[p] = max(largest.get(p, msg.progress), msg.progress)
+            continue
+        batch = decode_tuples(msg.value)
+        for tuple_id, event_time in zip(batch.ids.tolist(), batch.event_times.tolist(), strict=True):
+            if p in largest and event_time < largest[p] - lateness_ms:
+                late.append(tuple_id)
+            largest[p] = max(largest.get(p, event_time), event_time)
+    return late
+
+
+def tuple_ids(messages: list[Message]) -> np.ndarray:
+    return np.concatenate([decode_tuples(m.value).ids for m in messages if m.progress is None])
+
+
+def test_runs_on_one_pipeline_give_disjoint_ids(kafka_bootstrap: str, topic_prefix: str) -> None:
+    # The first run's stream A goes silent on every pid early: each A partition ends in a long run of
+    # progress records (20 ms apart over a real-time second), more than the first look back reads.
+    every_pid = list(range(PARTITIONS))
+    first = gen_config(
+        topic_prefix,
+        "generator.mode=real_time",
+        "generator.duration_s=1.5",
+        "generator.max_tuples=null",
+        "generator.progress_interval_ms=20",
+        f"generator.silences=[{{stream: A, pids: {every_pid}, from_s: 0.3, to_s: 100}}]",
+    )
+    stats1 = run_generator(first, kafka_bootstrap)
+    assert stats1["id_base"] == {"A": 0, "B": 0, "C": 0}
+    before = {s: read_all(kafka_bootstrap, first.input_topic(s), PARTITIONS) for s in first.streams}
+    trailing = [0] * PARTITIONS
+    for msg in before["A"]:
+        trailing[msg.partition] = trailing[msg.partition] + 1 if msg.progress is not None else 0
+    assert min(trailing) > ID_SCAN_MESSAGES
+    second = gen_config(topic_prefix, "generator.max_tuples=3000")
+    stats2 = run_generator(second, kafka_bootstrap)
+    for stream in first.streams:
+        old = tuple_ids(before[stream])
+        assert stats2["id_base"][stream] == old.max() + 1
+        every = tuple_ids(read_all(kafka_bootstrap, second.input_topic(stream), PARTITIONS))
+        assert len(every) == len(old) + stats2["per_stream"][stream]
+        assert len(np.unique(every)) == len(every), f"stream {stream}: an id used by both runs"
+        new = np.setdiff1d(every, old)
+        assert new.min() == stats2["id_base"][stream]
+
+
+def test_late_tuples_are_exactly_the_late_input(kafka_bootstrap: str, topic_prefix: str) -> None:
+    n = 12
+    cfg = gen_config(topic_prefix, f"generator.late_tuples={n}", "allowed_lateness_ms=50")
+    stats = run_generator(cfg, kafka_bootstrap)
+    assert stats["late_injected"] == n
+    assert stats["tuples"] == 20_000 + n
+    late = {
+        stream: late_by_the_rule(read_all(kafka_bootstrap, cfg.input_topic(stream), PARTITIONS), 50)
+        for stream in cfg.streams
+    }
+    assert {s: len(ids) for s, ids in late.items()} == {"A": 4, "B": 4, "C": 4}
+    # Without injection, nothing is late: the generator writes each partition in event-time order.
+    plain = gen_config(f"{topic_prefix}-plain", "allowed_lateness_ms=0")
+    run_generator(plain, kafka_bootstrap)
+    for stream in plain.streams:
+        assert late_by_the_rule(read_all(kafka_bootstrap, plain.input_topic(stream), PARTITIONS), 0) == []
+
+
+def test_a_silence_leaves_progress_records_only(kafka_bootstrap: str, topic_prefix: str) -> None:
+    silent = [2, 5]
+    cfg = gen_config(
+        topic_prefix,
+        "generator.progress_interval_ms=100",
+        f"generator.silences=[{{stream: B, pids: {silent}, from_s: 0.1, to_s: 1.2}}]",
+    )
+    stats = run_generator(cfg, kafka_bootstrap)
+    assert stats["tuples"] == 20_000
+    start = stats["start_ms"]
+    for stream in cfg.streams:
+        in_span: dict[int, int] = {}
+        outside: dict[int, int] = {}
+        progress: dict[int, list[int]] = {}
+        for msg in read_all(kafka_bootstrap, cfg.input_topic(stream), PARTITIONS):
+            if msg.progress is not None:
+                progress.setdefault(msg.partition, []).append(msg.progress - start)
+                continue
+            offsets = decode_tuples(msg.value).event_times - start
+            span = (offsets >= 100) & (offsets < 1200)
+            in_span[msg.partition] = in_span.get(msg.partition, 0) + int(span.sum())
+            outside[msg.partition] = outside.get(msg.partition, 0) + int((~span).sum())
+        for pid in range(PARTITIONS):
+            if stream == "B" and pid in silent:
+                assert in_span.get(pid, 0) == 0
+                assert outside[pid] > 0
+                assert any(100 < t <= 1200 for t in progress[pid]), progress
+            else:
+                assert in_span[pid] > 0
+
+
+def test_a_lagged_stream_is_produced_behind_and_whole(kafka_bootstrap: str, topic_prefix: str) -> None:
+    cfg = gen_config(
+        topic_prefix,
+        "generator.mode=real_time",
+        "generator.duration_s=1.0",
+        "generator.max_tuples=null",
+        "streams=[A, B]",
+        "generator.stream_lag_ms={B: 1500}",
+    )
+    seen_b: list[int] = []
+
+    def b_so_far() -> None:
+        # Half a second into the run (event time 0.5 s), B's messages are still held back.
+        time.sleep(0.5)
+        ends = partition_offsets(
+            admin_client(kafka_bootstrap), [(cfg.input_topic("B"), p) for p in range(PARTITIONS)]
+        )
+        seen_b.append(sum(ends.values()))
+
+    probe = threading.Thread(target=b_so_far)
+    started = time.monotonic()
+    ensure_topics(cfg, kafka_bootstrap)
+    probe.start()
+    stats = run_generator(cfg, kafka_bootstrap)
+    probe.join()
+    # B's last messages are due 1.5 s after the run's last event time.
+    assert time.monotonic() - started >= 2.4
+    assert seen_b == [0]
+    for stream in ("A", "B"):
+        messages = read_all(kafka_bootstrap, cfg.input_topic(stream), PARTITIONS)
+        assert len(tuple_ids(messages)) == stats["per_stream"][stream]
 
 
 def test_stop_event_ends_a_run_early(kafka_bootstrap: str, topic_prefix: str) -> None:

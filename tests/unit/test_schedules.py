@@ -14,6 +14,7 @@ from generator.schedules import (
     integrated_rate,
     inverse_integrated_rate,
     rate_at,
+    time_of_count,
 )
 from pipeline.config import ConstantRate, RampRate, StepRate, ToggleRate
 
@@ -147,3 +148,21 @@ def test_same_seed_same_arrivals_other_seed_other_arrivals() -> None:
     c = arrival_times(TOGGLE, 0.0, 10.0, np.random.default_rng(2))
     np.testing.assert_array_equal(a, b)
     assert len(a) != len(c) or not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("schedule", ALL, ids=lambda s: s.kind)
+def test_time_of_count_is_where_the_expected_count_is_reached(schedule: Schedule) -> None:
+    two = [schedule, ConstantRate(rate=300.0)]
+    for count in (10.0, 1234.5, 20_000.0):
+        t = time_of_count(two, count)
+        total = sum(float(integrated_rate(s, t)) for s in two)
+        assert total == pytest.approx(count, rel=1e-6)
+        earlier = sum(float(integrated_rate(s, t * (1 - 1e-4))) for s in two)
+        assert earlier < count
+
+
+def test_time_of_count_of_schedules_that_run_dry() -> None:
+    dry = StepRate(steps=[(0.0, 100.0), (5.0, 0.0)])  # 500 expected arrivals, all in [0, 5)
+    assert time_of_count([dry], 250.0) == pytest.approx(2.5)
+    assert time_of_count([dry], 10_000.0) == pytest.approx(5.0, abs=0.01)
+    assert time_of_count([dry], 0.0) == 0.0
