@@ -34,13 +34,14 @@ def _verify(cfg: Config, bootstrap: str) -> None:
 def test_streams_produced_out_of_step_onto_instances_started_late_lose_nothing(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
-    """B's producer runs 5 s behind A's (each in order), and two instances start 8 s into the run, onto
-    the backlog that piled up meanwhile. A pid-wide watermark dead-lettered B's on-time tuples here."""
+    """B's producer runs 5 s behind A's (each in order), and two instances start 8 s into a 40 s run,
+    onto the backlog that piled up meanwhile, then follow the live input. A pid-wide watermark
+    dead-lettered B's on-time tuples here."""
     cfg = small_config(
         topic_prefix,
         "generator.mode=real_time",
-        "generator.duration_s=20",
-        "generator.rate={kind: constant, rate: 1500}",
+        "generator.duration_s=40",
+        "generator.rate={kind: constant, rate: 1000}",
         "generator.keys={kind: uniform, count: 1500}",
         "generator.stream_lag_ms={B: 5000}",
     )
