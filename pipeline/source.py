@@ -349,7 +349,7 @@ class FluxjoinSource(DataSource):
     `lateness_ms` (how far back a replayed window reaches), `trigger_ms` (the time between batches:
     how much waiting input makes the instance behind), `poll_ms` (the query's trigger when shorter: how
     soon a move step gets its batch), `watermarks` (path of the file the sink notes
-    windows' watermarks in) and `control_topic` (where a replay's or a parallel track's `Released`
+    windows' `stream_max` in) and `control_topic` (where a replay's or a parallel track's `Released`
     goes at the plan)."""
 
     @classmethod
@@ -404,7 +404,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         path = options.get("results_per_tuple")
         self.results_per_tuple_path = Path(path) if path else None
         self.tasks = int(options["tasks"])
-        self.reach_back_ms = int(options.get("window_ms", "0")) + 2 * int(options.get("lateness_ms", "0"))
+        self.window_ms = int(options.get("window_ms", "0"))
+        self.lateness_ms = int(options.get("lateness_ms", "0"))
         trigger_s = int(options.get("trigger_ms", "0")) / 1000
         self.behind_horizon_s = max(BEHIND_TRIGGERS * trigger_s, MIN_BEHIND_S)
         poll_s = int(options.get("poll_ms", "0")) / 1000
@@ -551,14 +552,19 @@ class FluxjoinStreamReader(DataSourceStreamReader):
 
     def _replay_from(self, pid: int, cutoff: Mapping[str, int]) -> dict[str, int]:
         """Offsets from which re-reading the input rebuilds the window the previous owner had at the
-        cutoff: the newest event time before the cutoff, minus W and twice the allowed lateness
-        (message timestamps are their first event time; the install purges what is too old)."""
+        cutoff. A tuple of stream i stays in a window while another stream can still bring a partner:
+        down to W below the lowest of the other streams' newest event times (minus the lateness), and
+        stream i's own newest event time must be re-read for the lateness rule (decision 0047). The
+        newest event time of each stream is its last record's timestamp before the cutoff (a record's
+        timestamp is its first event time; each target reaches back twice the lateness more for the
+        disorder within records). A stream that has nothing before the cutoff keeps every tuple of the
+        others in the window: they are re-read from the start. The install drops what is too old."""
         from confluent_kafka import TopicPartition
 
         consumer = self._probe()
         before = {t: cutoff[s] - 1 for t, s in zip(self.topics, self.streams, strict=True) if cutoff[s] > 0}
         consumer.assign([TopicPartition(t, pid, o) for t, o in before.items()])
-        newest = None
+        newest: dict[str, int] = {}
         deadline = time.monotonic() + 30
         while before and time.monotonic() < deadline:
             for msg in consumer.consume(num_messages=len(before), timeout=1):
@@ -566,13 +572,22 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 if msg.error() is not None or topic not in before:
                     continue
                 if (msg.offset() or 0) <= before.pop(topic):  # past it: the offset held a marker
-                    ts = msg.timestamp()[1]
-                    newest = ts if newest is None else max(newest, ts)
+                    newest[topic] = msg.timestamp()[1]
         consumer.unassign()
-        if newest is None:
+        if not newest:
             return dict(cutoff)
-        target = newest - self.reach_back_ms
-        found = consumer.offsets_for_times([TopicPartition(t, pid, target) for t in self.topics], 30)
+        targets = []
+        for topic in self.topics:
+            others = [newest.get(t) for t in self.topics if t != topic]
+            own = newest.get(topic)
+            if own is None or None in others:
+                targets.append(0)  # nothing to re-read before the cutoff, or every tuple is still held
+                continue
+            lowest = min(t for t in others if t is not None) - self.lateness_ms - self.window_ms
+            targets.append(max(0, min(lowest, own) - 2 * self.lateness_ms))
+        found = consumer.offsets_for_times(
+            [TopicPartition(t, pid, target) for t, target in zip(self.topics, targets, strict=True)], 30
+        )
         by_topic = {tp.topic: tp.offset for tp in found}
         out = {}
         for topic, stream in zip(self.topics, self.streams, strict=True):

@@ -274,13 +274,15 @@ def test_a_paced_source_plans_a_trigger_apart_or_at_once_for_a_move_step(
     assert moving["released"]["1"]["cutoff"] == {"A": 40, "B": 40}
 
 
-def test_a_replay_reaches_back_a_window_from_the_newest_tuple_before_the_cutoff(
+def test_a_replay_reaches_back_a_window_below_the_other_streams_newest_tuple_before_the_cutoff(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
-    """A replay re-reads from the newest event time before the cutoff (of either stream) minus W and twice
-    the lateness: message i of pid 1 is stamped 100 ms after message i - 1, W = 1 s, lateness 0, cutoffs
-    30 (A) and 20 (B): the newest stamp is message 29's, so both streams start at message 19, or at the
-    cutoff when that is earlier. The reader's one probe consumer answers again, the same, when reused."""
+    """A replay re-reads each stream from W below the other streams' newest event time before the cutoff,
+    or from its own newest when that is lower (decision 0047): message i of pid 1 is stamped 100 ms after
+    message i - 1, W = 1 s, lateness 0. Cutoffs 30 (A) and 20 (B): B, at message 19, may still bring
+    partners of A's tuples from message 9 on, and A, at message 29, none of B's before message 19. A
+    stream with nothing before its cutoff keeps every tuple of the other in the window. The reader's
+    one probe consumer answers again, the same, when reused."""
     cfg = load_config(None, [f"pipeline={topic_prefix}", "streams=[A, B]", f"partitions={PARTITIONS}"])
     ensure_topics(cfg, kafka_bootstrap)
     base = 1_700_000_000_000
@@ -291,8 +293,8 @@ def test_a_replay_reaches_back_a_window_from_the_newest_tuple_before_the_cutoff(
     assert producer.flush(30) == 0
     reader, _ = _planner(cfg, kafka_bootstrap, tmp_path, window_ms="1000", lateness_ms="0")
     try:
-        assert reader._replay_from(1, {"A": 30, "B": 20}) == {"A": 19, "B": 19}
-        assert reader._replay_from(1, {"A": 30, "B": 15}) == {"A": 19, "B": 15}
+        assert reader._replay_from(1, {"A": 30, "B": 20}) == {"A": 9, "B": 19}
+        assert reader._replay_from(1, {"A": 30, "B": 15}) == {"A": 4, "B": 14}
         assert reader._replay_from(1, {"A": 5, "B": 0}) == {"A": 0, "B": 0}
     finally:
         reader.stop()

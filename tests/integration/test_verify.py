@@ -7,6 +7,7 @@ import json
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,14 +69,16 @@ def test_verify_counts_a_join_of_more_than_ten_billion_results_within_two_gigaby
     )
     run_generator(cfg, kafka_bootstrap)
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    started = time.monotonic()
     code, report, err = _verify(kafka_bootstrap, *sets)
+    took_s = time.monotonic() - started
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     assert report, err
     assert report["input_tuples"] == 600_000
     assert report["expected"] > 10**10, report
     assert report["missing"] == report["expected"] and code == 1
     assert max(peak_kb, before) < 2 * 1024 * 1024, f"verify peaked at {peak_kb / 1024:.0f} MB"
-    print(f"expected {report['expected']:,} results, verify peaked at {peak_kb / 1024:.0f} MB")
+    print(f"expected {report['expected']:,}: verify took {took_s:.1f} s, peaked at {peak_kb / 1024:.0f} MB")
 
 
 def test_verify_finds_exactly_the_late_tuples_injected(kafka_bootstrap: str, topic_prefix: str) -> None:
