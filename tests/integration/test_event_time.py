@@ -122,6 +122,7 @@ def test_a_stream_silent_on_some_pids_for_three_windows_keeps_state_bounded_and_
     pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
     try:
         pipeline.start_instance("instance-0", range(0, 8))
+        pipeline.wait_running(["instance-0"])  # so that its batches end inside the silence
         run_generator(cfg, kafka_bootstrap)
         wait_drained(pipeline, timeout_s=300)
     finally:
