@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from confluent_kafka import KafkaException
 
 from pipeline.codec import Malformation, decode_results
 from pipeline.config import Config
@@ -55,6 +56,7 @@ from pipeline.source import TRACK_OLD, write_results_per_tuple, write_watermarks
 from pipeline.topics import partition_offsets, read_topic
 
 LATE_REASON = "late: event time below its input partition's newest before it minus the allowed lateness"
+LAG_TIMEOUT_S = 5.0  # how long a batch waits for the input's end offsets, a metrics figure
 SNAPSHOT_CHUNK_BYTES = 900_000  # keeps each exported-window message under Kafka's 1 MB default
 
 
@@ -143,6 +145,7 @@ class ExactlyOnceSink:
         self.watermarks_path = watermarks
         self.watermarks_path.unlink(missing_ok=True)
         self._watermarks: dict[int, tuple[int, ...]] = {}
+        self._last_lag: dict[str, int] = {}
         # Kept across restarts: it describes the workload, not this incarnation's state.
         self.results_per_tuple_path = results_per_tuple
         self._results_per_tuple: deque[float] = deque(maxlen=RESULTS_PER_TUPLE_BATCHES)
@@ -421,13 +424,21 @@ class ExactlyOnceSink:
                 self.producer.poll(0.05)
 
     def _lag(self, offsets: dict[str, dict[str, int]]) -> dict[str, int]:
-        """Per pid: messages in the input topics beyond what this batch processed."""
+        """Per pid: messages in the input topics beyond what this batch processed. A figure for the
+        metrics only, so a broker that cannot tell (an outage, a leader change) never fails the batch:
+        the last known figure stands, and the log says why."""
         topic_stream = {self.cfg.input_topic(s): s for s in self.streams}
         wanted = [(self.cfg.input_topic(s), int(p)) for s, by_pid in offsets.items() for p in by_pid]
+        try:
+            ends = partition_offsets(self.admin, wanted, timeout_s=LAG_TIMEOUT_S)
+        except KafkaException as exc:
+            print(f"{self.instance}: input lag unknown, the last known is reported ({exc})", flush=True)
+            return self._last_lag
         lag: dict[str, int] = {}
-        for (topic, pid), end in partition_offsets(self.admin, wanted).items():
+        for (topic, pid), end in ends.items():
             done = offsets[topic_stream[topic]][str(pid)]
             lag[str(pid)] = lag.get(str(pid), 0) + max(0, end - done)
+        self._last_lag = lag
         return lag
 
     def close(self) -> None:

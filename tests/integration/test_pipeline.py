@@ -11,13 +11,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from confluent_kafka import Producer
 
 from controller.local import LocalPipeline, backlog, committed_offsets, wait_drained
 from generator.producer import run_generator
+from pipeline.codec import encode_tuples
 from pipeline.config import Config, load_config
 from pipeline.control import wait_for
 from pipeline.oracle import verify_pipeline
+from pipeline.partitioning import pids_of
 from pipeline.topics import read_topic
 
 
@@ -244,17 +247,43 @@ def test_a_batch_in_kafka_but_not_in_the_commit_log_runs_again_without_output(
 def test_malformed_records_go_to_the_dead_letter_topic_with_a_reason(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
+    """Garbage, a tombstone (no value: it killed the instance on every restart), an empty value, an
+    unknown schema version, a key of another pid and a negative id: each is dead-lettered with its
+    reason, the instance runs on, and the oracle counts them as malformed as the instances do."""
     cfg = small_config(topic_prefix, "generator.max_tuples=5000", "generator.duration_s=null")
     run_generator(cfg, kafka_bootstrap)
+    one = np.array([10_000_000], dtype=np.int64)
+    no_payload = np.zeros((1, 0), np.uint8)
+    key_of_pid = {int(pids_of(np.array([k]), cfg.partitions)[0]): k for k in range(100)}
+    other_pid = np.array([key_of_pid[4]], dtype=np.int64)  # written to partition 3
+    own_key = np.array([key_of_pid[3]], dtype=np.int64)
+    version_2 = bytearray(encode_tuples(one, own_key, one, no_payload))
+    version_2[0] = 2
+    bad: list[bytes | None] = [
+        b"\x07garbage",
+        None,
+        b"",
+        bytes(version_2),
+        encode_tuples(one, other_pid, one, no_payload),
+        encode_tuples(-one, own_key, one, no_payload),
+    ]
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    producer.produce(cfg.input_topic("A"), value=b"\x07garbage", partition=3, key=b"3")
+    for value in bad:
+        producer.produce(cfg.input_topic("A"), value=value, partition=3, key=b"3")
     producer.flush(30)
     pipeline = drain_with_one_instance(cfg, kafka_bootstrap, tmp_path)
     dead = [json.loads(v) for _, _, v in read_topic(kafka_bootstrap, cfg.dead_letter_topic)]
-    assert [d["reason"] for d in dead] == ["malformed: truncated"]
-    assert dead[0]["topic"] == cfg.input_topic("A") and dead[0]["partition"] == 3
+    assert [d["reason"] for d in dead] == [
+        "malformed: truncated",
+        "malformed: truncated",
+        "malformed: truncated",
+        "malformed: unknown_version",
+        "malformed: wrong_partition",
+        "malformed: negative_id",
+    ]
+    assert {(d["topic"], d["partition"]) for d in dead} == {(cfg.input_topic("A"), 3)}
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
-    assert report.malformed == 1
+    assert report.malformed == len(bad)
     assert report.exact, report.describe()
 
 
