@@ -30,6 +30,7 @@ import hashlib
 import json
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,11 @@ from pipeline.source import TRACK_OLD, write_results_per_tuple, write_watermarks
 from pipeline.topics import partition_offsets, read_topic
 
 LATE_REASON = "late: event time below its input partition's newest before it minus the allowed lateness"
+# A batch whose transaction the broker aborted (a broker away for longer than the transaction timeout)
+# is produced again in a new one, up to this many times, backing off 2, 4, 8... s; a commit or abort
+# the broker answers with a retriable error is tried again for up to TRANSACTION_RETRY_S.
+TRANSACTION_ATTEMPTS = 8
+TRANSACTION_RETRY_S = 300.0
 LAG_TIMEOUT_S = 5.0  # how long a batch waits for the input's end offsets, a metrics figure
 SNAPSHOT_CHUNK_BYTES = 900_000  # keeps each exported-window message under Kafka's 1 MB default
 
@@ -189,6 +195,33 @@ class ExactlyOnceSink:
         columns = {name: table.column(name).to_numpy() for name in table.column_names}
         kind = columns.get("kind", np.empty(0, dtype=np.int8))
 
+        for attempt in range(1, TRANSACTION_ATTEMPTS + 1):
+            try:
+                metrics, results = self._write(batch_id, offsets, columns, kind, started)
+                break
+            except KafkaException as exc:
+                error = exc.args[0]
+                if not error.txn_requires_abort() or attempt == TRANSACTION_ATTEMPTS:
+                    raise
+                print(f"{self.instance}: batch {batch_id} not committed ({error.str()}); again", flush=True)
+                self._retrying(self.producer.abort_transaction)
+                time.sleep(min(30.0, 2.0**attempt))
+        self.last_batch = batch_id
+        self._note_watermarks(offsets, columns, kind)
+        if metrics["tuples_in"]:
+            self._results_per_tuple.append(results / metrics["tuples_in"])
+            write_results_per_tuple(self.results_per_tuple_path, max(self._results_per_tuple))
+
+    def _write(
+        self,
+        batch_id: int,
+        offsets: dict[str, Any],
+        columns: dict[str, np.ndarray],
+        kind: np.ndarray,
+        started: float,
+    ) -> tuple[dict[str, Any], int]:
+        """One transaction with the batch's whole output, its commit marker and its metrics; returns
+        the metrics and the number of results."""
         self.producer.begin_transaction()
         results = self._produce_results(columns, kind == KIND_RESULT)
         late = self._produce_dead_letters(columns, kind == KIND_LATE, "late")
@@ -207,14 +240,24 @@ class ExactlyOnceSink:
         self.producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(metrics))
         evicted_in = self._evicted_in(offsets)
         if evicted_in is not None:
-            self.producer.abort_transaction(60)
+            self._retrying(self.producer.abort_transaction)
             raise Fenced(f"{self.instance} was declared dead in epoch {evicted_in}; not committing")
-        self.producer.commit_transaction(60)
-        self.last_batch = batch_id
-        self._note_watermarks(offsets, columns, kind)
-        if metrics["tuples_in"]:
-            self._results_per_tuple.append(results / metrics["tuples_in"])
-            write_results_per_tuple(self.results_per_tuple_path, max(self._results_per_tuple))
+        self._retrying(self.producer.commit_transaction)
+        return metrics, results
+
+    def _retrying(self, call: Callable[[float], None]) -> None:
+        """Commit or abort, again while the broker answers that it may yet succeed (it is away: a
+        restart, a network silence), for up to TRANSACTION_RETRY_S."""
+        deadline = time.monotonic() + TRANSACTION_RETRY_S
+        while True:
+            try:
+                call(60)
+                return
+            except KafkaException as exc:
+                if not exc.args[0].retriable() or time.monotonic() > deadline:
+                    raise
+                print(f"{self.instance}: {exc.args[0].str()}; trying again", flush=True)
+                time.sleep(1.0)
 
     def _note_watermarks(
         self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray

@@ -278,10 +278,22 @@ def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float =
             time.sleep(0.2)
 
 
-# Errors a partition answers with while its new leader loads it: retried until the deadline.
+# Errors a partition answers with while its new leader loads it, or while a broker that went silent
+# comes back with a newer leader epoch than the client's metadata: retried until the deadline.
 _LEADER_NOT_READY = frozenset(
-    {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART}
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.FENCED_LEADER_EPOCH,
+        KafkaError.UNKNOWN_LEADER_EPOCH,
+        KafkaError.OFFSET_NOT_AVAILABLE,
+    }
 )
+
+
+# Of those, the answers that mean the client's metadata is older than the broker's: refreshed first.
+_STALE_METADATA = frozenset({KafkaError.FENCED_LEADER_EPOCH, KafkaError.UNKNOWN_LEADER_EPOCH})
 
 
 def partition_offsets(
@@ -310,4 +322,7 @@ def partition_offsets(
             retry = error.retriable() or error.code() in _LEADER_NOT_READY
             if not retry or time.monotonic() > deadline:
                 raise
+            if error.code() in _STALE_METADATA:  # the client asks with the leader epoch it cached
+                for topic in {tp.topic for tp in request}:
+                    admin.list_topics(topic, timeout=max(1.0, deadline - time.monotonic()))
             time.sleep(0.2)

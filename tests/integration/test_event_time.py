@@ -136,3 +136,23 @@ def test_a_stream_silent_on_some_pids_for_three_windows_keeps_state_bounded_and_
     others = statistics.median(held[p] for p in range(2, 8))
     assert max(held[0], held[1]) <= 1.2 * others, f"silent pids held {held[0]}, {held[1]}; others {others}"
     _verify(pipeline.cfg, kafka_bootstrap)
+
+
+def test_tuples_written_late_on_purpose_are_dead_lettered_and_nothing_else(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    from pipeline.oracle import verify_pipeline
+
+    cfg = small_config(
+        topic_prefix, "generator.max_tuples=30000", "generator.duration_s=null", "generator.late_tuples=30"
+    )
+    assert run_generator(cfg, kafka_bootstrap)["late_injected"] == 30
+    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
+    try:
+        pipeline.start_instance("instance-0", range(0, 8))
+        wait_drained(pipeline, timeout_s=300)
+    finally:
+        pipeline.stop()
+    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
+    assert (report.late_expected, report.late_reported, report.wrongly_late) == (30, 30, 0), report.describe()
+    assert report.exact, report.describe()

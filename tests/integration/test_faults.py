@@ -1,0 +1,57 @@
+"""Faults a running pipeline meets, injected into real instances on a real broker, judged by the oracle."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import docker
+
+from controller.local import LocalPipeline, wait_drained
+from generator.producer import run_generator
+from pipeline.oracle import verify_pipeline
+from tests.integration.test_pipeline import small_config
+
+
+def _broker(bootstrap: str) -> docker.models.containers.Container:
+    """The test session's broker container (named after its port, `tests/conftest.py`)."""
+    port = bootstrap.rsplit(":", 1)[1]
+    return docker.from_env().containers.get(f"fluxjoin-test-kafka-{port}")
+
+
+def test_a_broker_silent_for_20_s_mid_run_stalls_the_instances_and_loses_nothing(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """The broker's container is paused (every connection goes silent, nothing is closed) for 20 s
+    while the generator writes and two instances read; then it goes on. The instances must ride it
+    out and the output must be exact."""
+    cfg = small_config(
+        topic_prefix,
+        "generator.mode=real_time",
+        "generator.duration_s=45",
+        "generator.rate={kind: constant, rate: 500}",
+        "generator.keys={kind: uniform, count: 1000}",
+    )
+    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
+    broker = _broker(kafka_bootstrap)
+    try:
+        pipeline.start_instance("instance-0", range(0, 4))
+        pipeline.start_instance("instance-1", range(4, 8))
+        pipeline.wait_running(["instance-0", "instance-1"])
+        generator = threading.Thread(target=run_generator, args=(cfg, kafka_bootstrap))
+        generator.start()
+        time.sleep(10)
+        broker.pause()
+        try:
+            time.sleep(20)
+        finally:
+            broker.unpause()
+        generator.join(timeout=180)
+        wait_drained(pipeline, timeout_s=300)
+        pipeline.check_alive()
+    finally:
+        pipeline.stop()
+    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
+    assert report.expected > 1_000, report.describe()
+    assert report.exact, report.describe()
