@@ -19,7 +19,7 @@ from pipeline.codec import encode_tuples
 from pipeline.config import Config
 from pipeline.partitioning import pids_of
 from pipeline.topics import ensure_topics, read_topic
-from tests.integration.test_pipeline import small_config
+from tests.integration.test_pipeline import drain_with_one_instance, small_config
 
 
 def _verify(cfg: Config, bootstrap: str) -> None:
@@ -147,12 +147,7 @@ def test_tuples_written_late_on_purpose_are_dead_lettered_and_nothing_else(
         topic_prefix, "generator.max_tuples=30000", "generator.duration_s=null", "generator.late_tuples=30"
     )
     assert run_generator(cfg, kafka_bootstrap)["late_injected"] == 30
-    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
-    try:
-        pipeline.start_instance("instance-0", range(0, 8))
-        wait_drained(pipeline, timeout_s=300)
-    finally:
-        pipeline.stop()
+    pipeline = drain_with_one_instance(cfg, kafka_bootstrap, tmp_path)
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
     assert (report.late_expected, report.late_reported, report.wrongly_late) == (30, 30, 0), report.describe()
     assert report.exact, report.describe()
