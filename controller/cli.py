@@ -227,12 +227,15 @@ def controller(
         params = policy_params(policy, _mode(mode), **settings)
     except (ValueError, TypeError) as exc:
         fail(f"--policy-param: {exc}")
+    from controller.moves import ControllerFenced
+
+    stops: tuple[type[Exception], ...] = (*_user_errors(), ControllerFenced)  # fenced: another one runs
     stopping = _stop_on_signals()
     try:
         run_controller(
             cfg, _bootstrap(cfg), policy, params, heartbeat_timeout, dry_run, stopping.is_set, _say_with_time
         )
-    except _user_errors() as exc:
+    except stops as exc:
         fail(str(exc))
 
 
@@ -256,10 +259,13 @@ def move(
     set_: SetOpt = None,
     bootstrap: BootstrapOpt = None,
     mode: ModeOpt = "transfer",
-    wait: Annotated[float, typer.Option(help="Seconds to wait for completion (0: do not wait).")] = 120.0,
+    wait: Annotated[
+        float,
+        typer.Option(help="Seconds to wait for completion; the request expires then (0: do not wait)."),
+    ] = 120.0,
 ) -> None:
     """Ask the running controller to move pids to an instance, and wait until they are moved."""
-    from controller.moves import request_moves
+    from controller.moves import request_moves, request_outcome
     from pipeline.control import ControlLog
     from pipeline.instance import parse_pids
 
@@ -269,17 +275,17 @@ def move(
     except ValueError as exc:
         fail(str(exc))
     address = _bootstrap(cfg)
-    request = request_moves(cfg, address, wanted, to, _mode(mode))
+    request = request_moves(cfg, address, wanted, to, _mode(mode), wait_s=wait)
     print(f"requested {request.request_id}: pids {pids} -> {to} ({request.mode.value})")
     if wait <= 0:
         return
     log = ControlLog(address, cfg.control_topic)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        view = log.catch_up()
-        done = [p for p in wanted if request.move_id(p) in view.acquired]
-        if len(done) == len(wanted):
-            print(f"done: pids {pids} are processed by {to}")
+        owners = request_outcome(log.catch_up(), request)
+        if owners is not None:  # the owners of record: the target may have died during a move
+            for p, owner in owners.items():
+                print(f"done: pid {p} is processed by {owner}" + ("" if owner == to else f", not {to}"))
             return
         time.sleep(0.5)
     fail(f"not done after {wait:g} s (is `fluxjoin controller` running, and {to} alive?)", code=1)
@@ -520,7 +526,9 @@ def bench_soak(
     moves: Annotated[int, typer.Option(help="Random moves to make.")] = 100,
     seed: Annotated[int, typer.Option(help="Seed of the random choices.")] = 7,
 ) -> None:
-    """Random moves (all three modes) and kill -9s of the controller and of instances, then the oracle."""
+    """Random moves (all three modes) under faults, then the oracle: kill -9s of the controller and of
+    instances, instances frozen past the heartbeat timeout and let go, a second controller, the control
+    topic truncated below its newest snapshot. The JSON counts each kind of fault injected."""
     from controller import kafka_runtime
     from controller.bench import new_run
     from controller.soak import SoakPlan, run_soak, soak_config
@@ -529,14 +537,45 @@ def bench_soak(
     say = _progress(json_)
     name, work = new_run(cfg, "soak")
     soak_cfg = soak_config(cfg, name, seconds=max(600.0, 30.0 * moves))
+    plan = SoakPlan(
+        moves=moves,
+        seed=seed,
+        kill_controller_every=5,
+        kill_instance_every=8,
+        freeze_instance_every=7,
+        second_controller_every=6,
+        truncate_control_every=4,
+    )
     try:
         with kafka_runtime.broker_unless(cfg.bootstrap) as address:
-            report, done = run_soak(soak_cfg, address, work, SoakPlan(moves=moves, seed=seed), say)
+            report, done = run_soak(soak_cfg, address, work, plan, say)
     except _user_errors() as exc:
         fail(str(exc))
     summary = {**done, **report.as_dict(), "seed": seed, "pipeline": name}
     print(json.dumps(summary) if json_ else report.describe())
     raise typer.Exit(0 if report.exact else 1)
+
+
+@bench_app.command("fold")
+def bench_fold(
+    bootstrap: BootstrapOpt = None,
+    moves: Annotated[int, typer.Option(help="Moves in the synthetic control log.")] = 15_000,
+    broker: Annotated[bool, typer.Option(help="Also catch up with the log from a real topic.")] = True,
+) -> None:
+    """What a restart costs on a long control log: fold and decode times of `--moves` moves (about 6.7
+    messages each), and with a broker a reader's catch-up of them from a control topic."""
+    from controller import kafka_runtime
+    from controller.fold_bench import run
+
+    cfg = _config(None, None, bootstrap)
+    try:
+        if not broker:
+            print(json.dumps(run(moves), indent=2))
+            return
+        with kafka_runtime.broker_unless(cfg.bootstrap) as address:
+            print(json.dumps(run(moves, address), indent=2))
+    except _user_errors() as exc:
+        fail(str(exc))
 
 
 @bench_app.command("generator")

@@ -109,11 +109,13 @@ class LocalPipeline:
         mode: str = "transfer",
         heartbeat_timeout_s: float = 10,
         policy_params: dict[str, float] | None = None,
+        name: str = "controller",
     ) -> None:
+        """Start a controller process as `name` (a second one under another name contends for the log)."""
         args = ["--policy", policy, "--mode", mode, "--heartbeat-timeout", str(heartbeat_timeout_s)]
         for key, value in (policy_params or {}).items():
             args += ["--policy-param", f"{key}={value}"]
-        self._spawn("controller", ["controller", *args])
+        self._spawn(name, ["controller", *args])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal `name` and forget it (a deliberate kill is no failure). SIGKILL goes to its process

@@ -21,7 +21,7 @@ import json
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,15 +32,23 @@ from controller.rounds import busy_fraction, described_by, shortest_empty_s, sna
 from pipeline.config import Config
 from pipeline.control import ControlLog, publish
 from pipeline.protocol import (
+    AcquiredMsg,
     AssignmentMsg,
     ControlView,
     Handoff,
     Mode,
     MoveRequestMsg,
     MoveSpec,
+    ReleasedMsg,
+    TrackDoneMsg,
+    track_key,
 )
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+PROGRESS_TIMEOUT_S = 120.0
+"""How long a serving instance's query may go without completing a batch or waiting between triggers
+before the instance counts as dead although it heartbeats (a query hung in a task). Well above the
+heartbeat timeout: one batch through a backlog legitimately runs for tens of seconds."""
 TICK_S = 0.1
 """The longest wait between two steps of the moves in flight; a control message (a move's
 acknowledgement) ends the wait when it arrives: on the pause of a moved pid, every tick counts
@@ -58,17 +66,21 @@ class Liveness:
     incarnations: Mapping[str, str] = field(default_factory=dict)
 
 
+Markers = Mapping[str, Mapping[int, Mapping[str, int]]]
+"""Each instance's newest commit marker: pid -> stream -> the end offset of its newest committed batch."""
+
+
 def plan_step(
     view: ControlView,
     liveness: Liveness,
     requested: Sequence[MoveSpec],
-    committed: Callable[[str, int], Mapping[str, int] | None],
+    markers: Markers,
     earliest: Callable[[int], Mapping[str, int]],
 ) -> tuple[AssignmentMsg | None, list[str]]:
     """The next assignment (None: nothing to publish) and what happened, as lines for the log.
 
-    `committed(instance, pid)` is the end offset the instance's newest commit marker records for the pid
-    (None if it never committed it); `earliest(pid)` the log start offsets, for pids nobody processed.
+    `markers` are the instances' newest commit markers (read once the dead ones are fenced);
+    `earliest(pid)` the log start offsets, for the pids of a dead instance that never committed anything.
     """
     a = view.assignment
     if a is None:
@@ -81,16 +93,19 @@ def plan_step(
     evicted = list(a.evicted)
     said: list[str] = []
 
+    # An acknowledgement counts only from the instance the step waits for: a late one from an instance
+    # declared dead (its transaction committed before it was fenced) must not end its successor's step.
     for p, h in list(handoffs.items()):
-        if h.move_id in view.acquired:
+        if _from(view.acquired.get(h.move_id), owners.get(p)):
             del handoffs[p]
             said.append(f"move {h.move_id}: pid {p} now processed by {owners.get(p)}")
     for p, h in list(track_handoffs.items()):
-        if h.move_id in view.acquired:
+        if _from(view.acquired.get(h.move_id), tracks[p].source if p in tracks else None):
             del track_handoffs[p]
     for p, m in list(moving.items()):
         released = view.released.get(m.move_id)
-        if released is not None:
+        if _from(released, m.source):
+            assert released is not None
             del moving[p]
             owners[p] = m.target
             handoffs[p] = Handoff(
@@ -106,7 +121,9 @@ def plan_step(
             else:
                 said.append(f"move {m.move_id}: pid {p} released by {m.source}, handed to {m.target}")
     for p, m in list(tracks.items()):
-        old_done, new_done = (view.track_ended(m.move_id, side) for side in ("old", "new"))
+        # the old side's end counts once: the track's source is "" from then on
+        old_done = not m.source or _from(view.track_done.get(track_key(m.move_id, "old")), m.source)
+        new_done = _from(view.track_done.get(track_key(m.move_id, "new")), m.target)
         if old_done and new_done:
             del tracks[p]
             track_handoffs.pop(p, None)
@@ -116,18 +133,21 @@ def plan_step(
             track_handoffs.pop(p, None)
             said.append(f"move {m.move_id}: pid {p}'s old tuples expired on {m.source}, which lets it go")
 
-    # Instances that return after eviction (a new incarnation) are members again, with no pids.
+    # Instances that return after eviction (a new incarnation) are members again, with no pids, once
+    # their evicted incarnation holds nothing (until then, its pids are recovered below).
     for entry in list(evicted):
         name, _, incarnation = entry.partition("@")
-        if name in liveness.live and liveness.live[name] != incarnation:
+        held = _holders(owners, moving, tracks)
+        if name in liveness.live and liveness.live[name] != incarnation and name not in held:
             evicted.remove(entry)
             said.append(f"{name} rejoined as a new, empty instance")
 
-    # Every dead instance not yet evicted, with pids or without: on return it must start empty either way.
-    already = {e.partition("@")[0] for e in evicted}
-    dead = sorted(i for i in liveness.dead if i not in already)
+    # The dead not yet evicted, with pids or without (on return it must start empty either way), and the
+    # evicted that still hold pids: whether they still run, rejoined empty or died, nobody reads those.
+    dead = to_recover(a, liveness)
+    members = {i for i in liveness.live if not _is_evicted(i, evicted)}
     if dead:
-        survivors = sorted(i for i in liveness.live if i not in dead and not _is_evicted(i, evicted))
+        survivors = sorted(members - set(dead))
         if not survivors:
             return _publish(a, owners, moving, handoffs, tracks, track_handoffs, evicted, said)
         load = {i: sum(1 for o in owners.values() if o == i) for i in survivors}
@@ -145,26 +165,41 @@ def plan_step(
                 said.append(f"{d} is dead: waiting for it or another instance (a parallel track needs two)")
                 continue
             for p, m in list(moving.items()):
-                if m.target == d:  # retarget: the source may release at any moment
+                if m.target != d:
+                    continue
+                if any(i != m.source for i in survivors):  # the source may release at any moment
                     moving[p] = replace(m, target=least_loaded(m.source))
+                else:  # its release may be committed unseen: the pid returns to it by a handoff
+                    said.append(f"move {m.move_id}: target {d} is dead, no other instance: waiting")
             lost = sorted(p for p, o in owners.items() if o == d)
             lost += sorted(p for p, m in moving.items() if m.source == d)
             for p in lost:
-                move = moving.pop(p, None)
                 track = tracks.get(p)
+                resumed = track is not None and not view.track_ended(track.move_id, "new")
+                handoff = handoffs.get(p)
+                cutoff = markers.get(d, {}).get(p)
+                if handoff is None and not resumed and cutoff is None:
+                    if d in markers:
+                        said.append(
+                            f"{d} is dead: waiting for its committed offsets of pid {p} (its newest commit "
+                            "marker lacks the pid, and the log start would repeat every result)"
+                        )
+                        continue
+                    cutoff = earliest(p)  # it never committed anything, so nothing of the pid either
+                move = moving.pop(p, None)
                 # Never onto the overlap's old side, even once the new side's part is over: one
                 # instance holds one window per pid.
                 target = least_loaded(track.source if track else "")
                 if track is not None:
                     tracks[p] = replace(track, target=target)
-                if track is not None and not view.track_ended(track.move_id, "new"):
-                    if p not in handoffs:  # the overlap's new side: its tuples since the cutoff, re-read
-                        handoffs[p] = _resume(view, track, committed(d, p))
-                elif p not in handoffs:  # a handoff never taken stays: the new target starts where it said
-                    # (after the new side's part of an overlap, too, a plain replay rebuilds its window)
-                    cutoff = committed(d, p) or earliest(p)
-                    move_id = f"recover-{uuid.uuid4().hex[:8]}"
-                    handoffs[p] = Handoff(move_id=move_id, mode=Mode.REPLAY, cutoff=cutoff)
+                if resumed:
+                    if handoff is None and track is not None:  # the overlap's new side: its tuples
+                        handoffs[p] = _resume(view, track, cutoff)  # since the cutoff, re-read
+                elif cutoff is not None:  # what it committed (a handoff it took, unseen, included)
+                    handoffs[p] = Handoff(move_id=_recovery_id(), mode=Mode.REPLAY, cutoff=cutoff)
+                elif handoff is not None:  # a handoff never taken: the new owner starts where it said,
+                    # under an id of its own, which a late acknowledgement of the dead one cannot end
+                    handoffs[p] = replace(handoff, move_id=_recovery_id())
                 owners[p] = target
                 why = f" (its move {move.move_id} is abandoned)" if move else ""
                 said.append(f"{d} is dead: pid {p} recovered on {target} by replay{why}")
@@ -172,17 +207,18 @@ def plan_step(
                 if m.source == d:  # the overlap's old side: its window rebuilt, then re-read since the cutoff
                     holder = least_loaded(m.target)
                     if p not in track_handoffs:
-                        track_handoffs[p] = _resume(view, m, committed(d, p))
+                        track_handoffs[p] = _resume(view, m, markers.get(d, {}).get(p))
                     tracks[p] = replace(m, source=holder)
                     said.append(f"{d} is dead: pid {p}'s old tuples recovered on {holder} by replay")
-            evicted.append(f"{d}@{liveness.incarnations.get(d, '?')}")
+            if not _is_evicted(d, evicted):
+                evicted.append(f"{d}@{liveness.incarnations.get(d, '?')}")
 
     for m in requested:
         p = m.pid
         busy = p in moving or p in handoffs or p in tracks
-        if owners.get(p) != m.source or busy or m.move_id in view.started:
+        if owners.get(p) != m.source or m.source == m.target or busy or m.move_id in view.started:
             continue
-        if m.target in liveness.dead or m.target not in liveness.live:
+        if m.target not in members or m.target in dead:
             said.append(f"move of pid {p} to {m.target} refused: {m.target} is not live")
             continue
         del owners[p]
@@ -191,12 +227,36 @@ def plan_step(
     return _publish(a, owners, moving, handoffs, tracks, track_handoffs, evicted, said)
 
 
+def to_recover(a: AssignmentMsg, liveness: Liveness) -> list[str]:
+    """The instances whose pids a step recovers: the dead not yet evicted, and the evicted (under any
+    incarnation, dead or alive) that the assignment still gives pids, moves or a side of an overlap."""
+    listed = {e.partition("@")[0] for e in a.evicted}
+    held = _holders(a.owners, a.moving, a.tracks)
+    return sorted({i for i in liveness.dead if i not in listed} | (listed & held))
+
+
+def _holders(
+    owners: Mapping[int, str], moving: Mapping[int, MoveSpec], tracks: Mapping[int, MoveSpec]
+) -> set[str]:
+    """Every instance the assignment gives a pid, a move (either end) or a side of an overlap."""
+    ends = {i for m in [*moving.values(), *tracks.values()] for i in (m.source, m.target)}
+    return (set(owners.values()) | ends) - {""}
+
+
+def _from(ack: ReleasedMsg | AcquiredMsg | TrackDoneMsg | None, expected: str | None) -> bool:
+    return ack is not None and ack.instance == expected
+
+
+def _recovery_id() -> str:
+    return f"recover-{uuid.uuid4().hex[:8]}"
+
+
 def _resume(view: ControlView, track: MoveSpec, committed: Mapping[str, int] | None) -> Handoff:
     """Where a side of a parallel track whose instance died resumes: at its newest committed offsets,
     after re-reading silently from the overlap's cutoff (both known from the sender's `Released`)."""
     released = view.released[track.move_id]
     return Handoff(
-        move_id=f"recover-{uuid.uuid4().hex[:8]}",
+        move_id=_recovery_id(),
         mode=Mode.PARALLEL_TRACK,
         cutoff=committed or released.cutoff,
         stream_max=released.stream_max,
@@ -239,11 +299,38 @@ def _publish(
     ), said
 
 
+def requested_moves(view: ControlView, now_ms: float) -> tuple[list[MoveSpec], list[str]]:
+    """The moves `fluxjoin move` asked for that no assignment has started, from their pids' owners now;
+    a request past its expiry (its caller stopped waiting) is dropped with a line saying so."""
+    owners = view.assignment.owners if view.assignment else {}
+    moves: list[MoveSpec] = []
+    said: list[str] = []
+    for request, pid in view.pending_requests():
+        if request.expires_ms is not None and request.expires_ms < now_ms:
+            said.append(f"move request {request.request_id} of pid {pid} expired unserved: dropped")
+            continue
+        source = owners.get(pid)
+        if source is not None and source != request.target:
+            moves.append(
+                MoveSpec(
+                    move_id=request.move_id(pid),
+                    pid=pid,
+                    source=source,
+                    target=request.target,
+                    mode=request.mode,
+                )
+            )
+    return moves, said
+
+
 def moves_releasing(view: ControlView) -> list[Move]:
     """Moves whose pid its source has not released yet: until then the pid is the source's in the
     assignment of record; from then on its new owner's, though the owner may not have read it yet."""
     a = view.assignment
-    return [] if a is None else [Move(p, m.source, m.target, m.mode) for p, m in a.moving.items()]
+    if a is None:
+        return []
+    # a move of an instance to itself (written by an older controller) is none: the pid stays put
+    return [Move(p, m.source, m.target, m.mode) for p, m in a.moving.items() if m.source != m.target]
 
 
 def moves_cutting_over(view: ControlView) -> list[Move]:
@@ -257,7 +344,8 @@ def moves_cutting_over(view: ControlView) -> list[Move]:
     for p, h in a.handoffs.items():
         if p in a.owners:
             released = view.released.get(h.move_id)
-            moves.append(Move(p, released.instance if released else "?", a.owners[p], h.mode))
+            source = released.instance if released and released.instance != a.owners[p] else "?"
+            moves.append(Move(p, source, a.owners[p], h.mode))
     return moves
 
 
@@ -268,7 +356,9 @@ def moves_in_flight(view: ControlView) -> list[Move]:
         return moves
     listed = {m.pid for m in moves}
     tracks = view.assignment.tracks.items()
-    return moves + [Move(p, m.source, m.target, m.mode) for p, m in tracks if p not in listed]
+    return moves + [
+        Move(p, m.source, m.target, m.mode) for p, m in tracks if p not in listed and m.source != m.target
+    ]
 
 
 def finished_moves(before: Sequence[Move], after: ControlView) -> list[FinishedMove]:
@@ -288,7 +378,12 @@ class Observer:
     in flight (load), from a minute ago."""
 
     def __init__(
-        self, cfg: Config, bootstrap: str, heartbeat_timeout_s: float, clock: Callable[[], float]
+        self,
+        cfg: Config,
+        bootstrap: str,
+        heartbeat_timeout_s: float,
+        clock: Callable[[], float],
+        progress_timeout_s: float = PROGRESS_TIMEOUT_S,
     ) -> None:
         from confluent_kafka import Consumer, TopicPartition
 
@@ -296,8 +391,14 @@ class Observer:
 
         self.clock = clock
         self.timeout_s = heartbeat_timeout_s
+        self.progress_timeout_s = progress_timeout_s
+        # instance -> seconds its query had gone without progress at its last heartbeat (both times are
+        # the instance's own clock, so skew between machines does not count)
+        self.stalled_s: dict[str, float] = {}
         self.started = clock()
         self.seen: dict[str, tuple[float, str]] = {}  # instance -> (last heartbeat, incarnation)
+        # Instances the assignment names: one never heard from is dead once the start grace is over.
+        self.expected: set[str] = set()
         self.serving: set[str] = set()  # instances whose last heartbeat says their query has run a batch
         self.batches: list[dict[str, Any]] = []
         self.readings: list[dict[str, Any]] = []  # what batches in flight have read (`report_reading`)
@@ -333,6 +434,11 @@ class Observer:
                     self.serving.add(record["instance"])
                 else:
                     self.serving.discard(record["instance"])
+                if record.get("serving", True) and "progress_ms" in record:
+                    stalled_ms = record.get("time_ms", now_ms) - record["progress_ms"]
+                    self.stalled_s[record["instance"]] = max(0.0, stalled_ms / 1000)
+                else:  # not serving yet (starting up), or an instance that does not report progress
+                    self.stalled_s.pop(record["instance"], None)
             elif record.get("kind") == "batch":
                 self.batches.append(record)
                 empty = shortest_empty_s([record])
@@ -347,15 +453,32 @@ class Observer:
         if self.readings and self.readings[0]["time_ms"] < cutoff:
             self.readings = [r for r in self.readings if r["time_ms"] >= cutoff]
 
+    def expect(self, instances: Iterable[str]) -> None:
+        """Count these instances as heard from at this observer's start, never as live: one that never
+        heartbeats (it never started, or died while no controller ran) is dead after the timeout."""
+        self.expected.update(instances)
+
     def liveness(self) -> Liveness:
+        """Who is live and who is dead now: read once per controller step, so that one step never
+        acts on two answers (a silence crossing the timeout in between). A heartbeating instance whose
+        query has made no progress for `progress_timeout_s` is dead too: its pids would wait forever."""
         now = self.clock()
-        live = {i: inc for i, (t, inc) in self.seen.items() if now - t <= self.timeout_s}
+        live = {
+            i: inc
+            for i, (t, inc) in self.seen.items()
+            if now - t <= self.timeout_s and self.stalled_s.get(i, 0.0) <= self.progress_timeout_s
+        }
         grace_over = now - self.started > self.timeout_s
-        dead = frozenset(i for i in self.seen if i not in live) if grace_over else frozenset()
+        heard_of = self.expected | self.seen.keys()
+        dead = frozenset(i for i in heard_of if i not in live) if grace_over else frozenset()
         return Liveness(live, dead, {i: inc for i, (_, inc) in self.seen.items()})
 
     def close(self) -> None:
         self._consumer.close()
+
+
+class ControllerFenced(RuntimeError):
+    """Another controller of the pipeline started after this one: only the newest publishes."""
 
 
 class KafkaPidMover:
@@ -382,7 +505,18 @@ class KafkaPidMover:
         self.log = ControlLog(bootstrap, cfg.control_topic)
         self.observer = Observer(cfg, bootstrap, heartbeat_timeout_s, clock)
         self.input_tail = InputTail(cfg, bootstrap)
-        self._producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
+        self._producer = Producer(
+            {
+                "bootstrap.servers": bootstrap,
+                # One writer of assignments: a controller's `init_transactions` fences every earlier
+                # controller of the pipeline (its next commit fails) and aborts what a killed one left
+                # open; the log is read only after it, so this one plans from everything they published.
+                "transactional.id": controller_transactional_id(cfg),
+                "transaction.timeout.ms": 15_000,
+            }
+        )
+        self._producer.init_transactions(60)
+        self._fenced: set[str] = set()  # "instance@incarnation" whose transactional id was fenced
         self._requested: dict[str, MoveSpec] = {}
         self._said_before: set[str] = set()
         # Read by the operator every round; a local controller reports moves by its log lines and never
@@ -398,9 +532,12 @@ class KafkaPidMover:
         return Assignment(epoch=a.epoch, owners={**a.owners, **{p: m.target for p, m in a.moving.items()}})
 
     def start(self, initial: Assignment) -> None:
+        """Publish epoch 0 if the log has no assignment yet, then a snapshot of the log (the state a
+        reader takes if the records before it are ever deleted)."""
         if self.log.catch_up().assignment is None:
             self._publish(AssignmentMsg(epoch=0, owners=dict(initial.owners)))
             self.say(f"epoch 0: {len(initial.owners)} pids over {len(initial.instances)} instances")
+        self._publish(None)
 
     def request(self, moves: Sequence[Move]) -> None:
         for move in moves:
@@ -433,9 +570,12 @@ class KafkaPidMover:
 
     def ready_instances(self) -> set[str]:
         """Live instances whose query has run a batch: pids moved onto them pause no longer than onto
-        any other (decision 0043)."""
+        any other (decision 0043). An instance evicted under the incarnation it runs is none."""
         self.observer.poll()
-        return set(self.observer.liveness().live) & self.observer.serving
+        a = self.log.catch_up().assignment
+        evicted = set(a.evicted) if a is not None else set()
+        live = self.observer.liveness().live
+        return {i for i, inc in live.items() if f"{i}@{inc}" not in evicted} & self.observer.serving
 
     def instance_stats(self, window_s: float = 10.0) -> Mapping[str, InstanceStats]:
         """Busy fraction of the batches that ended in the last `window_s` seconds (`described_by`) and
@@ -484,29 +624,21 @@ class KafkaPidMover:
         """Read the log and the metrics, publish the next assignment if anything changed."""
         self.observer.poll()
         view = self.log.catch_up()
-        owners = view.assignment.owners if view.assignment else {}
-        requested = list(self._requested.values())
-        for request, pid in view.pending_requests():
-            source = owners.get(pid)
-            if source is not None and source != request.target:
-                requested.append(
-                    MoveSpec(
-                        move_id=request.move_id(pid),
-                        pid=pid,
-                        source=source,
-                        target=request.target,
-                        mode=request.mode,
-                    )
-                )
-        markers = self._newest_markers()
-
-        def committed(instance: str, pid: int) -> Mapping[str, int] | None:
-            offsets = markers.get(instance, {}).get("offsets", {})
-            if str(pid) not in offsets.get(self.cfg.streams[0], {}):
-                return None
-            return {s: int(offsets[s][str(pid)]) for s in self.cfg.streams}
-
-        msg, said = plan_step(view, self.observer.liveness(), requested, committed, self._earliest)
+        if view.assignment is not None:
+            a = view.assignment
+            self.observer.expect(_holders(a.owners, a.moving, a.tracks))
+        liveness = self.observer.liveness()  # once: one step acts on one answer
+        markers: Markers = {}
+        if view.assignment is not None and (dying := to_recover(view.assignment, liveness)):
+            self._fence(view.assignment, dying, liveness)
+            markers, incarnations = self._newest_markers()
+            liveness = replace(liveness, incarnations={**incarnations, **liveness.incarnations})
+            view = self.log.catch_up()  # what the fenced committed before the fence
+        requested, said = requested_moves(view, time.time() * 1000)
+        msg, planned = plan_step(
+            view, liveness, [*self._requested.values(), *requested], markers, self._earliest
+        )
+        said += planned
         if msg is not None:
             self._publish(msg)
             self._finished.extend(finished_moves(moves_in_flight(view), self.log.view))
@@ -520,20 +652,63 @@ class KafkaPidMover:
             self.say(line)
         return fresh
 
-    def _publish(self, msg: AssignmentMsg) -> None:
-        publish(self._producer, self.cfg.control_topic, msg)
-        if self._producer.flush(30):
-            raise RuntimeError("control message not acknowledged within 30 s")
-        self.log.add_own(msg)
+    def _publish(self, msg: AssignmentMsg | None) -> None:
+        """Publish `msg` (None: only a snapshot) in a transaction of the controller's transactional id: it
+        commits only while no other controller of the pipeline has started since this one
+        (`ControllerFenced` otherwise). A failed publication is not in this controller's view, so its
+        next step plans from the log as it is. A snapshot of the log rides along when one is due."""
+        from confluent_kafka import KafkaException
+
+        try:
+            self._producer.begin_transaction()
+            if msg is None or self.log.snapshot_due():
+                self.log.write_snapshot(self._producer)  # the view before `msg`, which follows it
+            if msg is not None:
+                publish(self._producer, self.cfg.control_topic, msg)
+            self._producer.commit_transaction(30)
+        except KafkaException as exc:
+            error = exc.args[0]
+            if error.fatal():
+                raise ControllerFenced(
+                    f"another controller of pipeline {self.cfg.pipeline} started: this one stops "
+                    f"publishing ({error.str()})"
+                ) from None
+            if error.txn_requires_abort():
+                self._producer.abort_transaction(30)
+            raise
+        if msg is not None:
+            self.log.add_own(msg)
         self.log.catch_up()
 
-    def _newest_markers(self) -> dict[str, dict[str, Any]]:
-        """Each instance's newest commit marker (only read when an instance is dead)."""
+    def _fence(self, a: AssignmentMsg, instances: Sequence[str], liveness: Liveness) -> None:
+        """Fence the instances whose pids are about to be recovered, in Kafka: whatever they still do,
+        no transaction of theirs commits from now on. An instance that rejoined under a new
+        incarnation is not fenced: its own start fenced the old one."""
+        evicted_as = dict(e.partition("@")[::2] for e in a.evicted)
+        for i in instances:
+            live_as = liveness.live.get(i)
+            if live_as is not None and i in evicted_as and live_as != evicted_as[i]:
+                continue
+            key = f"{i}@{liveness.incarnations.get(i, '?')}"
+            if key not in self._fenced:
+                fence_instance(self.cfg, self.bootstrap, i)
+                self._fenced.add(key)
+                self.say(f"{i} fenced: no transaction of it commits any more")
+
+    def _newest_markers(self) -> tuple[Markers, dict[str, str]]:
+        """Each instance's newest commit marker, per pid, and the incarnation that wrote it."""
         from pipeline.sink import newest_markers
 
-        if not self.observer.liveness().dead:
-            return {}
-        return newest_markers(self.cfg, self.bootstrap)
+        streams = self.cfg.streams
+        markers: dict[str, dict[int, dict[str, int]]] = {}
+        incarnations: dict[str, str] = {}
+        for instance, marker in newest_markers(self.cfg, self.bootstrap).items():
+            offsets = marker.get("offsets", {})
+            markers[instance] = {
+                int(p): {s: int(offsets[s][p]) for s in streams} for p in offsets.get(streams[0], {})
+            }
+            incarnations[instance] = marker.get("incarnation", "?")
+        return markers, incarnations
 
     def _earliest(self, pid: int) -> Mapping[str, int]:
         from pipeline.topics import admin_client, partition_offsets
@@ -549,15 +724,50 @@ class KafkaPidMover:
         self._producer.flush(10)
 
 
-def request_moves(
-    cfg: Config, bootstrap: str, pids: Sequence[int], target: str, mode: Mode
-) -> MoveRequestMsg:
-    """Ask the running controller for moves (what `fluxjoin move` does)."""
+def controller_transactional_id(cfg: Config) -> str:
+    """The controller's transactional id: one per pipeline, and no instance's (`pipeline.instance`)."""
+    return f"{cfg.pipeline}/controller"
+
+
+def fence_instance(cfg: Config, bootstrap: str, instance: str) -> None:
+    """Initialise `instance`'s transactional id (its sink's, `pipeline.instance`): the broker aborts the
+    transaction it has open and bumps the id's epoch, so a stalled instance that wakes up commits nothing
+    more, and the commit markers read after this are all it will ever have committed."""
     from confluent_kafka import Producer
 
-    msg = MoveRequestMsg(request_id=f"req-{uuid.uuid4().hex[:8]}", pids=tuple(pids), target=target, mode=mode)
+    producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": f"{cfg.pipeline}.{instance}"})
+    producer.init_transactions(60)
+
+
+def request_moves(
+    cfg: Config, bootstrap: str, pids: Sequence[int], target: str, mode: Mode, wait_s: float = 0.0
+) -> MoveRequestMsg:
+    """Ask the running controller for moves (what `fluxjoin move` does). A caller that waits `wait_s`
+    (above 0) gives the request that long: a controller that reads it later drops it."""
+    from confluent_kafka import Producer
+
+    expires_ms = int((time.time() + wait_s) * 1000) if wait_s > 0 else None
+    msg = MoveRequestMsg(
+        request_id=f"req-{uuid.uuid4().hex[:8]}",
+        pids=tuple(pids),
+        target=target,
+        mode=mode,
+        expires_ms=expires_ms,
+    )
     producer = Producer({"bootstrap.servers": bootstrap})
     publish(producer, cfg.control_topic, msg)
     if producer.flush(30):
         raise RuntimeError("the move request was not acknowledged by Kafka within 30 s")
     return msg
+
+
+def request_outcome(view: ControlView, request: MoveRequestMsg) -> dict[int, str] | None:
+    """Each requested pid's owner of record once all the request's moves are over, None before: the
+    target, or another instance when the target died during the move and the pid was recovered."""
+    a = view.assignment
+    if a is None:
+        return None
+    cutting_over = a.moving.keys() | a.handoffs.keys()
+    if any(request.move_id(p) not in view.started or p in cutting_over for p in request.pids):
+        return None
+    return {p: a.owners[p] for p in request.pids}

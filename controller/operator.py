@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Protocol
@@ -131,6 +132,11 @@ def make_mover(spec: PipelineSpec) -> PidMover:
     from controller.moves import KafkaPidMover
 
     return KafkaPidMover(spec.to_config(), spec.bootstrap_servers, say=say)
+
+
+def _of_pipeline(uid: str, key: tuple[str, str]) -> bool:
+    """Whether a mover's key (pipeline uid, bootstrap servers) is of the pipeline `uid`."""
+    return key[0] == uid
 
 
 def default_namespace() -> str:
@@ -475,6 +481,10 @@ class Operator:
                 self.metrics.failures += 1
                 log.warning("reconcile of %s failed: %s", obj["metadata"]["name"], exc, exc_info=True)
                 self._report_failure(obj, _failure_message(exc))
+                from controller.moves import ControllerFenced
+
+                if isinstance(exc, ControllerFenced):  # the next round's mover fences the other writer
+                    self._drop_movers(partial(_of_pipeline, obj["metadata"]["uid"]))
         live = {obj["metadata"]["uid"] for obj in items}
         self._drop_movers(lambda key: key[0] not in live)
 

@@ -1,16 +1,24 @@
-"""Random moves and kills against a running local pipeline, then the oracle's verdict.
+"""Random moves and faults against a running local pipeline, then the oracle's verdict.
 
 Shared by the integration test (`tests/integration/test_moves.py`, about 20 moves) and
 `fluxjoin bench soak` (100+ moves): rounds of `fluxjoin move` requests in the three handoff modes in turn
-under continuous input; in some rounds the controller is killed with SIGKILL as soon as the move has started
-(a new controller must finish it), in others an instance is killed with SIGKILL (the controller recovers
-its pids by replay; the instance restarts empty).
+under continuous input, and every few rounds a fault:
+- the controller killed with SIGKILL as soon as a move has started (a new controller must finish it);
+- an instance killed with SIGKILL (the controller recovers its pids by replay; it restarts empty);
+- an instance frozen with SIGSTOP past the heartbeat timeout, then let go with SIGCONT: a zombie, whose
+  pids were recovered elsewhere meanwhile; it must stop with the eviction status (3) without committing
+  anything, and restarts empty;
+- a second controller started while the first runs: the newer one fences the older, which stops;
+- the control topic truncated below its newest snapshot (what retention does to old segments).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import random
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +31,7 @@ from controller.runner import instance_names
 from pipeline.config import Config
 from pipeline.control import ControlLog
 from pipeline.oracle import VerifyReport, verify_pipeline
-from pipeline.protocol import ControlView, Mode
+from pipeline.protocol import ControlView, Mode, SnapshotMsg, decode
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,9 @@ class SoakPlan:
     pids_per_round: int = 2
     kill_controller_every: int = 5  # rounds; 0: never
     kill_instance_every: int = 8
+    freeze_instance_every: int = 0  # rounds; 0: never
+    second_controller_every: int = 0
+    truncate_control_every: int = 0
     heartbeat_timeout_s: float = 6.0
     seed: int = 7
     modes: tuple[Mode, ...] = (Mode.TRANSFER, Mode.REPLAY, Mode.PARALLEL_TRACK)  # one per round, in turn
@@ -62,12 +73,20 @@ def soak_config(base: Config, pipeline: str, seconds: float) -> Config:
     )
 
 
+EVICTED_STATUS = 3
+"""The exit status of an instance that finds itself evicted, and of a controller fenced by a newer one."""
+
+
 class Watch:
     """Waits on the control log for a condition, failing fast when a pipeline process has crashed."""
 
     def __init__(self, pipeline: LocalPipeline) -> None:
         self.pipeline = pipeline
         self.log = ControlLog(pipeline.bootstrap, pipeline.cfg.control_topic)
+        self.controller = "controller"
+        """The name of the newest controller process (whose log a timeout shows)."""
+        self.superseded: set[str] = set()
+        """Older controllers, which stop with `EVICTED_STATUS` once the newest has fenced them."""
 
     def until(self, ok: Callable[[ControlView], bool], timeout_s: float, what: str) -> ControlView:
         deadline = time.monotonic() + timeout_s
@@ -75,22 +94,35 @@ class Watch:
             view = self.log.catch_up()
             if ok(view):
                 return view
-            crashed = {n: c for n, c in self.pipeline.failed().items() if n != "generator"}
+            crashed = {
+                n: c
+                for n, c in self.pipeline.failed().items()
+                if n != "generator" and not (n in self.superseded and c == EVICTED_STATUS)
+            }
             if crashed:
                 name = next(iter(crashed))
                 raise RuntimeError(f"{name} exited with {crashed[name]}:\n{self.pipeline.log_tail(name, 40)}")
             if time.monotonic() > deadline:
-                tail = self.pipeline.log_tail("controller", 30)
+                tail = self.pipeline.log_tail(self.controller, 30)
                 raise TimeoutError(f"timed out waiting for {what}; controller log:\n{tail}")
             time.sleep(0.3)
 
 
-def _started(move_ids: set[str]) -> Callable[[ControlView], bool]:
-    return lambda v: move_ids <= v.started
+def _moving(pids: list[int], target: str) -> Callable[[ControlView], bool]:
+    """Every pid's move has started (it is in transit) or is already over."""
+    return lambda v: (
+        v.assignment is not None
+        and all(p in v.assignment.moving or v.assignment.owners.get(p) == target for p in pids)
+    )
 
 
-def _acquired(move_ids: set[str]) -> Callable[[ControlView], bool]:
-    return lambda v: move_ids <= set(v.acquired)
+def moved(pids: list[int], target: str) -> Callable[[ControlView], bool]:
+    """Every pid is owned by `target`, which has acquired it (its handoff is dropped): a state of the
+    assignment, which holds whichever controller took the move over and whatever move ids it used."""
+    return lambda v: (
+        v.assignment is not None
+        and all(v.assignment.owners.get(p) == target and p not in v.assignment.handoffs for p in pids)
+    )
 
 
 def acquired_by(instance: str, pid: int) -> Callable[[ControlView], bool]:
@@ -114,11 +146,21 @@ def run_soak(
     pipeline = LocalPipeline(cfg, bootstrap, work)
     watch = Watch(pipeline)
     names = instance_names(cfg.instances)
-    done = {"moves": 0, "controller_kills": 0, "instance_kills": 0, "rounds": 0}
+    done = dict.fromkeys(
+        ("moves", "rounds", "controller_kills", "instance_kills", "zombies", "second_controllers"), 0
+    )
+    done["control_truncations"] = 0
     modes = plan.modes
+    controllers = itertools.count(1)
 
     def start_controller() -> None:
-        pipeline.start_controller(policy="static", heartbeat_timeout_s=plan.heartbeat_timeout_s)
+        watch.controller = f"controller-{next(controllers)}"
+        pipeline.start_controller(
+            policy="static", heartbeat_timeout_s=plan.heartbeat_timeout_s, name=watch.controller
+        )
+
+    def every(n: int, round_no: int) -> bool:
+        return n > 0 and round_no % n == 0
 
     try:
         start_controller()
@@ -143,30 +185,42 @@ def run_soak(
                     )
                 time.sleep(0.2)  # every pid busy or already on the target: try again shortly
                 continue
-            # Only a round that requests moves counts: the kills then come every N such rounds, as planned.
+            # Only a round that requests moves counts: the faults then come every N such rounds, as planned.
             done["rounds"] += 1
             round_no = done["rounds"]
             mode = modes[round_no % len(modes)]
-            request = request_moves(cfg, bootstrap, pids, target, mode)
-            if plan.kill_controller_every and round_no % plan.kill_controller_every == 0:
-                first = request.move_id(pids[0])
-                watch.until(_started({first}), 60, "the move to start")
-                pipeline.kill("controller", signal.SIGKILL)
+            request_moves(cfg, bootstrap, pids, target, mode)
+            if every(plan.kill_controller_every, round_no):
+                watch.until(_moving(pids, target), 60, "the move to start")
+                pipeline.kill(watch.controller, signal.SIGKILL)
                 start_controller()
                 done["controller_kills"] += 1
-            ids = {request.move_id(p) for p in pids}
-            watch.until(_acquired(ids), 180, f"moves {pids} -> {target} ({mode.value})")
+            elif every(plan.second_controller_every, round_no):
+                watch.until(_moving(pids, target), 60, "the move to start")
+                older = watch.controller
+                start_controller()  # the newer fences the older, which stops at its next publish
+                watch.superseded.add(older)
+                done["second_controllers"] += 1
+            watch.until(moved(pids, target), 180, f"moves {pids} -> {target} ({mode.value})")
             done["moves"] += len(pids)
             say(f"soak: round {round_no}: pids {pids} -> {target} ({mode.value}); {done['moves']} moves done")
-            if plan.kill_instance_every and round_no % plan.kill_instance_every == 0:
+            if every(plan.kill_instance_every, round_no):
                 victim = rng.choice(names)
                 pipeline.kill(victim, signal.SIGKILL)
                 done["instance_kills"] += 1
-
                 watch.until(evicted(victim), 90, f"the recovery of {victim}")
                 pipeline.start_instance(victim)
                 watch.until(rejoined(victim), 120, f"{victim} rejoining")
                 say(f"soak: {victim} killed, its pids recovered, rejoined empty")
+            elif every(plan.freeze_instance_every, round_no):
+                victim = rng.choice(names)
+                _zombie(pipeline, watch, victim)
+                done["zombies"] += 1
+                say(f"soak: {victim} frozen past the timeout and let go: stopped as evicted, rejoined empty")
+            if every(plan.truncate_control_every, round_no):
+                kept = truncate_control_log(cfg, bootstrap)
+                done["control_truncations"] += 1
+                say(f"soak: control log truncated below offset {kept} (its newest snapshot)")
         say("soak: moves done; ending the input, waiting for the pipeline to drain")
         pipeline.end_input()
         wait_drained(pipeline, timeout_s=600)
@@ -175,3 +229,40 @@ def run_soak(
         pipeline.stop()
     say("soak: verifying against the oracle")
     return verify_pipeline(pipeline.cfg, bootstrap), done
+
+
+def truncate_control_log(cfg: Config, bootstrap: str) -> int:
+    """Delete the control log's records below its newest snapshot's `read_to` (the most that retention
+    may take without losing state, see `pipeline.control`); the new log start."""
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    from pipeline.topics import read_topic
+
+    snapshots = [decode(value) for _, _, value in read_topic(bootstrap, cfg.control_topic)]
+    read_to = max(m.read_to for m in snapshots if isinstance(m, SnapshotMsg))
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for done in admin.delete_records([TopicPartition(cfg.control_topic, 0, read_to)]).values():
+        done.result()
+    return read_to
+
+
+def _zombie(pipeline: LocalPipeline, watch: Watch, victim: str) -> None:
+    """Freeze `victim` (its whole process group: the JVM too) until it is evicted, let it go, and wait
+    for it to stop with the eviction status; then start it again (it rejoins empty)."""
+    proc = pipeline.procs[victim]
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        watch.until(evicted(victim), 90, f"the eviction of the frozen {victim}")
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+    try:
+        status = proc.wait(120)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{victim}, evicted while frozen, still runs 120 s after it was let go") from None
+    if status != EVICTED_STATUS:
+        tail = pipeline.log_tail(victim, 40)
+        raise RuntimeError(f"{victim} exited with {status} after its eviction:\n{tail}")
+    pipeline.kill(victim)  # forget the exited process
+    pipeline.start_instance(victim)
+    watch.until(rejoined(victim), 120, f"{victim} rejoining")

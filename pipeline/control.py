@@ -3,6 +3,12 @@
 `ControlLog.catch_up()` reads `<pipeline>.control` up to its current end and folds it into a
 `protocol.ControlView`; instances (their follower thread and their sink's fencing check) and the
 controller use the same reader, so both sides agree on what the log says.
+
+The topic keeps every record (`retention.ms=-1`, `pipeline/topics.py`), and a reader starts at its
+first. Records deleted all the same (by hand, or by a retention someone set) are noticed, never
+skipped: a reader that lacks the log's first records takes the state from before them from a snapshot
+the controller wrote after them (`ControlLog.write_snapshot`), and without one refuses to answer
+(`ControlLogTruncated`).
 """
 
 from __future__ import annotations
@@ -15,50 +21,84 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config
-from pipeline.protocol import AssignmentMsg, ControlView, Message, ProtocolError, decode, encode
+from pipeline.protocol import (
+    AssignmentMsg,
+    ControlView,
+    Fold,
+    Message,
+    ProtocolError,
+    SnapshotMsg,
+    decode,
+    encode,
+)
 from pipeline.source import owned_pids, read_assignment, write_assignment
 from pipeline.topics import watermark_offsets
 
+SNAPSHOT_EVERY = 1000
+"""Control messages between two of the controller's snapshots: records deleted below any but the
+newest thousand messages leave a snapshot after them to start from. Reading one costs a reader that has
+the whole log nothing but its decoding (it skips it)."""
+
+
+class ControlLogTruncated(RuntimeError):
+    """Records of the control log that a reader has not read are deleted, and no snapshot follows them:
+    the state they held is lost, and what is left would read as another pipeline's."""
+
 
 class ControlLog:
-    """An incremental reader of the control topic (one partition), read_committed."""
+    """An incremental reader of the control topic (one partition), read_committed, from its first record."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
-        from confluent_kafka import Consumer, TopicPartition
+        from confluent_kafka import Consumer
 
-        self._tp = TopicPartition(topic, 0, 0)
+        self.topic = topic
         conf = {
             "bootstrap.servers": bootstrap,
             "group.id": "fluxjoin-unused",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
+            # A read at an offset whose record is deleted ends with an error rather than going on from
+            # the log's new start ("earliest") or its end ("latest"): either would skip records unseen.
+            "auto.offset.reset": "error",
         }
-        self._consumer = Consumer(conf)
-        self._consumer.assign([self._tp])
+        self._consumer = Consumer(conf)  # assigned at the log's first record by the first catch-up
         # The end offset is asked on a connection of its own: the reader's connection always has a fetch
         # waiting at the broker (up to fetch.wait.max.ms, 500 ms) and the broker answers a connection's
         # requests in order, so asking there made every catch-up wait for that fetch.
         self._ends = Consumer(conf)
-        self._next = 0
-        self.view = ControlView()
+        self._next: int | None = None  # the offset read up to; None: read from the log's first record
+        self._first = 0  # the log's first record when the fold began
+        self._skipped = False  # the consumer's offset was deleted before it read it
+        self._fold = Fold()
+        self._view: ControlView | None = None  # the fold's view, until the fold changes
+        self._since_snapshot = 0
         self._lock = threading.Lock()
 
+    @property
+    def view(self) -> ControlView:
+        if self._view is None:
+            self._view = self._fold.view()
+        return self._view
+
     def catch_up(self, timeout_s: float = 30.0) -> ControlView:
-        """Read every message committed before this call; return the folded view."""
+        """Read every message committed before this call; return the folded view.
+
+        Raises `ControlLogTruncated` when records this reader has not read are deleted and no snapshot
+        after them is committed yet, and `ConflictingAssignments` when the log holds two assignments of
+        one epoch (on every call: the reader then starts from the log's first record again)."""
         from confluent_kafka import TopicPartition
 
         with self._lock:
-            _, high = watermark_offsets(self._ends, TopicPartition(self._tp.topic, 0), timeout_s)
             deadline = time.monotonic() + timeout_s
-            while self._next < high:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"control log not readable up to offset {high}")
-                # A short wait: consume returns early only with all the messages asked for, and the
-                # transaction markers among the offsets below `high` are never delivered.
-                self._fold(self._consumer.consume(num_messages=1000, timeout=0.01))
-                if self._consumer.position([TopicPartition(self._tp.topic, 0)])[0].offset >= high:
-                    # only transaction markers were left
-                    self._next = max(self._next, high)
+            while True:
+                low, high = watermark_offsets(self._ends, TopicPartition(self.topic, 0), timeout_s)
+                if self._next is None or self._skipped or low > self._next:
+                    self._restart(low)
+                self._read_to(high, deadline)
+                if not self._skipped:
+                    break
+            if not self._fold.complete:
+                raise self._truncated(low, high)
             return self.view
 
     def await_news(self, timeout_s: float) -> bool:
@@ -66,18 +106,8 @@ class ControlLog:
         follower takes a move's step when it is committed, not at its next poll (decision 0038)."""
         with self._lock:
             got = self._consumer.consume(num_messages=1, timeout=timeout_s)
-            self._fold(got)
+            self._fold_in(got)
             return bool(got)
-
-    def _fold(self, messages: list[Any]) -> None:
-        for msg in messages:
-            if msg.error() is not None:
-                continue
-            self._next = (msg.offset() or 0) + 1
-            try:
-                self.view = self.view.apply(decode(msg.value() or b""))
-            except ProtocolError as exc:
-                print(f"ignoring control message at offset {msg.offset()}: {exc}", flush=True)
 
     def add_own(self, msg: AssignmentMsg) -> ControlView:
         """Fold in an assignment this process has just published (flushed), before the log shows it.
@@ -85,11 +115,89 @@ class ControlLog:
         Read committed, the log shows a message only below the last stable offset: while a transaction
         an instance began before it is open (its `Released` or `Acquired` rides with its results), the
         publisher would not read its own assignment back, and would plan its next step, and report what
-        is in flight, from the one before. Assignments apply by epoch, so reading it later changes nothing.
+        is in flight, from the one before. Reading it later again changes nothing.
         """
         with self._lock:
-            self.view = self.view.apply(msg)
+            self._fold.add(msg)
+            self._view = None
             return self.view
+
+    def snapshot_due(self) -> bool:
+        """Whether `SNAPSHOT_EVERY` messages have been read since the newest snapshot (or since the
+        first record, with none): the controller then writes one (`write_snapshot`)."""
+        return self._since_snapshot >= SNAPSHOT_EVERY
+
+    def write_snapshot(self, producer: Any) -> None:
+        """Publish the view as a `SnapshotMsg` (the caller flushes or commits its transaction): the state
+        a reader takes when the records before it are deleted. The controller calls it at its start,
+        after catching up, and whenever `snapshot_due()`."""
+        with self._lock:
+            if not self._fold.complete:
+                raise ControlLogTruncated(f"control log {self.topic}: no snapshot of a partial view")
+            assert self._next is not None
+            publish(producer, self.topic, SnapshotMsg(view=self.view.pruned(), read_to=self._next))
+            self._since_snapshot = 0
+
+    def _restart(self, low: int) -> None:
+        """Fold afresh from the log's first record, `low`: at the first catch-up, or once records this
+        reader had not read are deleted. Started past offset 0, the fold waits for a snapshot."""
+        from confluent_kafka import TopicPartition
+
+        if self._next is not None:
+            print(f"control log {self.topic}: records below offset {low} deleted unread; reading again")
+        own = self._fold.assignment  # maybe this process's own (`add_own`), not readable yet
+        self._fold = Fold(ControlView(assignment=own) if own is not None else None, complete=low == 0)
+        self._view = None
+        self._consumer.assign([TopicPartition(self.topic, 0, low)])
+        self._first, self._next, self._skipped = low, low, False
+
+    def _read_to(self, high: int, deadline: float) -> None:
+        from confluent_kafka import TopicPartition
+
+        assert self._next is not None
+        while self._next < high and not self._skipped:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"control log not readable up to offset {high}")
+            # A short wait: consume returns early only with all the messages asked for, and the
+            # transaction markers among the offsets below `high` are never delivered (the position
+            # passes them).
+            self._fold_in(self._consumer.consume(num_messages=1000, timeout=0.01))
+            position = self._consumer.position([TopicPartition(self.topic, 0)])[0].offset
+            self._next = max(self._next, position)
+
+    def _fold_in(self, messages: list[Any]) -> None:
+        from confluent_kafka import KafkaError
+
+        for msg in messages:
+            error = msg.error()
+            if error is not None:
+                self._skipped |= error.code() == KafkaError._AUTO_OFFSET_RESET
+                continue
+            self._next = (msg.offset() or 0) + 1
+            try:
+                decoded = decode(msg.value() or b"")
+            except ProtocolError as exc:
+                print(f"ignoring control message at offset {msg.offset()}: {exc}", flush=True)
+                continue
+            if isinstance(decoded, SnapshotMsg):
+                self._since_snapshot = 0
+                if decoded.read_to < self._first:
+                    continue  # its writer had not read records deleted since: it lacks them too
+            else:
+                self._since_snapshot += 1
+            try:
+                self._fold.add(decoded)
+            except ProtocolError:
+                self._next = None  # the offending records stay in the log, and so does the error
+                raise
+            self._view = None
+
+    def _truncated(self, low: int, high: int) -> ControlLogTruncated:
+        return ControlLogTruncated(
+            f"records of the control log {self.topic} below offset {low} are deleted, and no snapshot of "
+            f"the state follows them up to offset {high}: the pipeline's assignment is lost (its control "
+            "topic must keep every record: retention.ms=-1)"
+        )
 
     def close(self) -> None:
         self._consumer.close()
@@ -122,16 +230,19 @@ class InstanceFollower:
         """Set by the instance once its query has completed a batch. Heartbeats start before Spark
         does, so that a restarting instance is not taken for dead; until it serves, the controller
         hands it no pids, which would pause until its query had started (decision 0043)."""
+        self.progress: dict[str, int] = {}
+        """Set by the instance: how far its query has got (`pipeline.instance.QueryProgress.fields`)."""
 
     def newest(self) -> AssignmentMsg | None:
         return self.log.catch_up().assignment
 
     def sync(self) -> None:
-        """Write the assignment file if the control log has a newer epoch than the file."""
+        """Write the assignment file if the control log has a newer epoch than the file. Never an older
+        one: the query acts on the file, and an older epoch would give it back pids it has released."""
         msg = self.newest()
         if msg is None:
             return
-        if self.assignment.exists() and read_assignment(self.assignment).epoch == msg.epoch:
+        if self.assignment.exists() and read_assignment(self.assignment).epoch >= msg.epoch:
             return
         write_assignment(self.assignment, owned_pids(msg, self.instance))
 
@@ -141,6 +252,7 @@ class InstanceFollower:
             "instance": self.instance,
             "incarnation": self.incarnation,
             "serving": self.serving,
+            **self.progress,
             "time_ms": int(time.time() * 1000),
         }
         self._producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(beat))

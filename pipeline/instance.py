@@ -18,12 +18,17 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import Config
 from pipeline.source import OwnedPids, write_assignment
+
+if TYPE_CHECKING:
+    from pipeline.sink import ExactlyOnceSink
 
 
 def parse_pids(spec: str, partitions: int) -> frozenset[int]:
@@ -39,6 +44,27 @@ def parse_pids(spec: str, partitions: int) -> frozenset[int]:
             raise ValueError(f"pid range {item!r} is outside 0-{partitions - 1}")
         pids.update(range(first, last + 1))
     return frozenset(pids)
+
+
+@dataclass(slots=True)
+class QueryProgress:
+    """How far the instance's query has got, for its heartbeat (`fields`): the follower thread that
+    heart-beats lives on while the query is stuck in a batch or in planning one, so the controller tells
+    a stuck query from a working or idle one by `progress_ms`, the newest time the query completed a
+    batch or was seen waiting between triggers (nothing to read, or the next trigger not due). A heartbeat
+    without these fields comes from an instance that does not report them."""
+
+    progress_ms: int
+    batch: int = -1  # the newest batch the query completed, -1 before its first
+
+    def observe(self, now_ms: int, batch: int, in_trigger: bool) -> None:
+        """Take in the newest batch the sink completed and whether the query is inside a trigger now."""
+        if batch > self.batch or not in_trigger:
+            self.progress_ms = now_ms
+        self.batch = max(self.batch, batch)
+
+    def fields(self) -> dict[str, int]:
+        return {"batch": self.batch, "progress_ms": self.progress_ms}
 
 
 def instance_dir(cfg: Config, name: str) -> Path:
@@ -96,8 +122,11 @@ def spark_session(cfg: Config, app_name: str, extra_conf: dict[str, str] | None 
     )
 
 
-def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation: str) -> Any:
-    """Build and start the instance's streaming query; the assignment file must exist."""
+def start_query(
+    spark: Any, cfg: Config, bootstrap: str, name: str, incarnation: str
+) -> tuple[Any, ExactlyOnceSink]:
+    """Build and start the instance's streaming query; the assignment file must exist. Returns the query
+    and its sink."""
     from pipeline.operator import STATE_SCHEMA, make_join_function, output_schema
     from pipeline.sink import ExactlyOnceSink
     from pipeline.source import FluxjoinSource
@@ -126,6 +155,7 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
         .option("instance", name)
         .option("watermarks", str(watermarks))
         .option("control_topic", cfg.control_topic)
+        .option("commits_topic", cfg.sink_commits_topic)
         .load()
     )
     joined = rows.groupBy("pid").applyInPandasWithState(
@@ -138,13 +168,14 @@ def start_query(spark: Any, cfg: Config, bootstrap: str, name: str, incarnation:
     sink = ExactlyOnceSink(
         cfg, bootstrap, name, incarnation, checkpoint.resolve(), watermarks, results_per_tuple
     )
-    return (
+    query = (
         joined.writeStream.queryName(name.replace("-", "_"))
         .foreachBatch(sink)
         .option("checkpointLocation", str(checkpoint.resolve()))
         .trigger(processingTime=f"{min(cfg.instance.trigger_ms, cfg.instance.poll_ms)} milliseconds")
         .start()
     )
+    return query, sink
 
 
 def _incarnation(home: Path) -> str:
@@ -171,10 +202,13 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
     log = ControlLog(bootstrap, cfg.control_topic)
     newest = log.catch_up().assignment
     known = (home / "incarnation").read_text().strip() if (home / "incarnation").exists() else None
-    if newest is not None and f"{name}@{known}" in newest.evicted:
+    # "name@?": evicted by a controller that never heard from it (it had not started, or died unseen)
+    if newest is not None and home.exists() and {f"{name}@{known}", f"{name}@?"} & set(newest.evicted):
         print(f"{name}: declared dead while away; its pids live elsewhere now, rejoining empty", flush=True)
         shutil.rmtree(home)
     follower = InstanceFollower(cfg, bootstrap, name, _incarnation(home), assignment, log)
+    progress = QueryProgress(progress_ms=int(time.time() * 1000))
+    follower.progress = progress.fields()
     if newest is None and pids is not None and not assignment.exists():
         write_assignment(assignment, OwnedPids(epoch=0, pids=pids))  # static: no controller has spoken
     follower.start()  # follows the control log and heartbeats from here on
@@ -191,7 +225,7 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
             "org.apache.spark.sql.execution.streaming.runtime.ProcessingTimeExecutor",
             jvm.org.apache.logging.log4j.Level.ERROR,
         )
-    query = start_query(spark, cfg, bootstrap, name, follower.incarnation)
+    query, sink = start_query(spark, cfg, bootstrap, name, follower.incarnation)
     stopping = threading.Event()
 
     def _stop(signum: int, frame: Any) -> None:
@@ -203,6 +237,8 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
     try:
         while not stopping.is_set() and query.isActive:
             follower.serving = follower.serving or query.lastProgress is not None
+            progress.observe(int(time.time() * 1000), sink.completed, query.status["isTriggerActive"])
+            follower.progress = progress.fields()
             stopping.wait(0.5)
     except (Py4JError, ConnectionError) as lost:  # the JVM exited: out of memory (see spark_session), killed
         print(f"{name}: Spark's JVM is gone ({type(lost).__name__}), exiting", file=sys.stderr, flush=True)

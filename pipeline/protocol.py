@@ -36,7 +36,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 PROTOCOL_VERSION = 1
 
@@ -168,17 +168,39 @@ class MoveRequestMsg:
     pids: tuple[int, ...]
     target: str
     mode: Mode
+    # wall-clock ms after which the requester no longer waits: a controller that reads it later drops it
+    expires_ms: int | None = None
     version: int = PROTOCOL_VERSION
 
     def move_id(self, pid: int) -> str:
         return f"{self.request_id}-{pid}"
 
 
-Message = AssignmentMsg | ReleasedMsg | AcquiredMsg | TrackDoneMsg | MoveRequestMsg
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotMsg:
+    """The controller's view of the whole log so far, without its finished moves (`ControlView.pruned`).
+
+    The controller writes one at its start and every `control.SNAPSHOT_EVERY` messages after
+    (`ControlLog.write_snapshot`): a reader of a log whose first records are gone (deleted by hand, or by
+    a retention someone set) takes the state from before them from the snapshot after them."""
+
+    view: ControlView
+    read_to: int
+    """The writer had read every record below this offset: a record below the snapshot but not below
+    this one (in a transaction still open then) is not in `view`, so its deletion loses it."""
+    version: int = PROTOCOL_VERSION
+
+
+Message = AssignmentMsg | ReleasedMsg | AcquiredMsg | TrackDoneMsg | MoveRequestMsg | SnapshotMsg
 
 
 class ProtocolError(ValueError):
     """A control message that cannot be decoded (unknown kind, newer version, missing field)."""
+
+
+class ConflictingAssignments(ProtocolError):
+    """Two different assignments with one epoch: two controllers published, or one published a second
+    time from a view without its first. Readers would split over which to follow, so none follows either."""
 
 
 # --- JSON codec ---
@@ -235,6 +257,10 @@ def move_from_json(d: dict[str, Any]) -> MoveSpec:
 
 
 def encode(msg: Message) -> bytes:
+    return json.dumps(message_to_json(msg), sort_keys=True).encode()
+
+
+def message_to_json(msg: Message) -> dict[str, Any]:
     body: dict[str, Any]
     if isinstance(msg, AssignmentMsg):
         body = {
@@ -275,6 +301,18 @@ def encode(msg: Message) -> bytes:
             "pids": list(msg.pids),
             "target": msg.target,
             "mode": msg.mode.value,
+            "expires_ms": msg.expires_ms,
+        }
+    elif isinstance(msg, SnapshotMsg):
+        view = msg.view
+        body = {
+            "kind": "snapshot",
+            "read_to": msg.read_to,
+            "assignment": message_to_json(view.assignment) if view.assignment is not None else None,
+            "released": [message_to_json(m) for _, m in sorted(view.released.items())],
+            "acquired": [message_to_json(m) for _, m in sorted(view.acquired.items())],
+            "track_done": [message_to_json(m) for _, m in sorted(view.track_done.items())],
+            "requests": [message_to_json(m) for m in view.requests],
         }
     else:
         body = {
@@ -284,12 +322,19 @@ def encode(msg: Message) -> bytes:
             "pid": msg.pid,
             "move_id": msg.move_id,
         }
-    return json.dumps({"version": msg.version, **body}, sort_keys=True).encode()
+    return {"version": msg.version, **body}
 
 
 def decode(raw: bytes) -> Message:
     try:
         d = json.loads(raw)
+    except ValueError as exc:
+        raise ProtocolError(f"malformed control message: {exc!r}") from None
+    return message_from_json(d)
+
+
+def message_from_json(d: Any) -> Message:
+    try:
         version = int(d["version"])
         if version > PROTOCOL_VERSION:
             raise ProtocolError(f"control message version {version} is newer than {PROTOCOL_VERSION}")
@@ -333,23 +378,65 @@ def decode(raw: bytes) -> Message:
                 pids=tuple(int(p) for p in d["pids"]),
                 target=d["target"],
                 mode=Mode(d["mode"]),
+                expires_ms=int(d["expires_ms"]) if d.get("expires_ms") is not None else None,
+            )
+        if kind == "snapshot":
+            assignment = _decoded(AssignmentMsg, d["assignment"]) if d["assignment"] is not None else None
+            released = [_decoded(ReleasedMsg, m) for m in d["released"]]
+            acquired = [_decoded(AcquiredMsg, m) for m in d["acquired"]]
+            track_done = [_decoded(TrackDoneMsg, m) for m in d["track_done"]]
+            return SnapshotMsg(
+                view=ControlView(
+                    assignment=assignment,
+                    released={m.move_id: m for m in released},
+                    acquired={m.move_id: m for m in acquired},
+                    track_done={m.key: m for m in track_done},
+                    requests=tuple(_decoded(MoveRequestMsg, m) for m in d["requests"]),
+                    started=moves_of(assignment) if assignment is not None else frozenset(),
+                ),
+                read_to=int(d["read_to"]),
             )
         raise ProtocolError(f"unknown control message kind {kind!r}")
-    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ProtocolError):
             raise
         raise ProtocolError(f"malformed control message: {exc!r}") from None
 
 
+M = TypeVar("M", bound="Message")
+
+
+def _decoded(kind: type[M], d: Any) -> M:
+    """A message a snapshot carries, which must be of `kind`."""
+    msg = message_from_json(d)
+    if not isinstance(msg, kind):
+        raise ProtocolError(f"a snapshot holds a {type(msg).__name__} where a {kind.__name__} belongs")
+    return msg
+
+
 # --- the log folded into the current view ---
+
+RECENT_MOVES = 1000
+"""How many finished moves a view keeps the acknowledgements of. No step reads them (a move is over once
+no assignment refers to it); they are there for whoever waits on a move (`fluxjoin move` waits for its
+`Acquired`, which the controller's next epoch already makes history)."""
+
+
+def moves_of(a: AssignmentMsg) -> frozenset[str]:
+    """The moves an assignment refers to: the only ones whose acknowledgements a step can still act on."""
+    specs = [*a.moving.values(), *a.tracks.values()]
+    handoffs = [*a.handoffs.values(), *a.track_handoffs.values()]
+    return frozenset([m.move_id for m in specs] + [h.move_id for h in handoffs])
 
 
 @dataclass(frozen=True, slots=True)
 class ControlView:
-    """What the control log says now: the newest assignment, the acknowledgements by move id, the
-    move requests, and every move id any assignment has started (so a request is served once).
+    """What the control log says now: the newest assignment; the acknowledgements of the moves it refers
+    to and of the `RECENT_MOVES` newest finished ones; the requests, each with the pids whose move has not
+    started; `started`, the moves the assignment refers to and the newest finished ones.
 
-    `released` keeps one `Released` per move: the committed one once it is in, else the announced one."""
+    `released` keeps one `Released` per move: the committed one once it is in, else the announced one.
+    A value: `apply` and `merge` return a new view; a log is folded in place by `Fold`."""
 
     assignment: AssignmentMsg | None = None
     released: Mapping[str, ReleasedMsg] = field(default_factory=dict)
@@ -359,34 +446,175 @@ class ControlView:
     started: frozenset[str] = frozenset()
 
     def apply(self, msg: Message) -> ControlView:
-        """The view after one more message. Older epochs never replace a newer assignment."""
-        if isinstance(msg, AssignmentMsg):
-            if self.assignment is not None and msg.epoch <= self.assignment.epoch:
-                return self
-            ids = {m.move_id for m in [*msg.moving.values(), *msg.tracks.values()]}
-            ids |= {h.move_id for h in [*msg.handoffs.values(), *msg.track_handoffs.values()]}
-            return replace(self, assignment=msg, started=self.started | ids)
-        if isinstance(msg, ReleasedMsg):
-            known = self.released.get(msg.move_id)
-            if msg.announced and known is not None and not known.announced:
-                return self
-            return replace(self, released={**self.released, msg.move_id: msg})
-        if isinstance(msg, AcquiredMsg):
-            return replace(self, acquired={**self.acquired, msg.move_id: msg})
-        if isinstance(msg, TrackDoneMsg):
-            return replace(self, track_done={**self.track_done, msg.key: msg})
-        return replace(self, requests=(*self.requests, msg))
+        """The view after one more message (`Fold.add`)."""
+        folded = Fold(self)
+        folded.add(msg)
+        return folded.view()
+
+    def merge(self, other: ControlView) -> ControlView:
+        """The view that knows what either knows (`Fold.merge`)."""
+        folded = Fold(self)
+        folded.merge(other)
+        return folded.view()
+
+    def pruned(self) -> ControlView:
+        """Without the finished moves: all a step can need, and what a snapshot carries."""
+        return Fold(self).view(finished=False)
 
     def track_ended(self, move_id: str, side: str) -> bool:
         return track_key(move_id, side) in self.track_done
 
     def pending_requests(self) -> list[tuple[MoveRequestMsg, int]]:
         """(request, pid) pairs no assignment has started yet, in request order."""
-        return [(r, p) for r in self.requests for p in r.pids if r.move_id(p) not in self.started]
+        return [(r, p) for r in self.requests for p in r.pids]
+
+
+Ack = ReleasedMsg | AcquiredMsg | TrackDoneMsg
+
+
+class Fold:
+    """The control log folded in place: each message costs the same however long the log, and the state
+    does not grow with it (an assignment costs its own size).
+
+    - Assignments: the newest epoch wins; a different one with the same epoch is refused.
+    - Acknowledgements are kept while the newest assignment refers to their move. An assignment that no
+      longer refers to a move ends it (finished, or abandoned by a recovery): its acknowledgements go to
+      the `RECENT_MOVES` window, and one arriving later (a zombie's, or a committed `Released` after its
+      announcement served) is dropped: every acknowledgement follows, in the log, the assignment that
+      refers to its move, as its writer read that assignment before writing it.
+    - A request keeps the pids whose move no assignment has started.
+
+    `complete` is False for a fold that began after the log's first records (deleted): the assignment
+    an acknowledgement follows may be among them, so it keeps every acknowledgement until a snapshot
+    brings the state from before; then it is complete. A complete fold skips snapshots: it holds what
+    they say already.
+    """
+
+    def __init__(self, start: ControlView | None = None, *, complete: bool = True) -> None:
+        self.complete = complete
+        self.assignment: AssignmentMsg | None = None
+        self._moves: frozenset[str] = frozenset()  # those of `assignment`
+        self._released: dict[str, ReleasedMsg] = {}
+        self._acquired: dict[str, AcquiredMsg] = {}
+        self._track_done: dict[str, TrackDoneMsg] = {}
+        self._requests: dict[str, MoveRequestMsg] = {}  # by request id, with the pids not started
+        self._finished: dict[str, list[Ack]] = {}  # move id -> its acknowledgements, oldest move first
+        if start is not None:
+            self.merge(start)
+
+    def add(self, msg: Message) -> None:
+        if isinstance(msg, AssignmentMsg):
+            if self._newer(msg):
+                self.assignment = msg
+                if self.complete:
+                    self._settle()
+        elif isinstance(msg, SnapshotMsg):
+            if not self.complete:
+                self.merge(msg.view)
+                self.complete = True
+        elif isinstance(msg, MoveRequestMsg):
+            self._request(msg)
+        elif not self.complete or self.assignment is None or msg.move_id in self._moves:
+            self._acknowledge(msg)
+
+    def merge(self, view: ControlView) -> None:
+        """Take in what `view` knows: its assignment if newer, its acknowledgements, its requests (a pid
+        either has started is started), then drop what the newest assignment makes history."""
+        if view.assignment is not None and self._newer(view.assignment):
+            self.assignment = view.assignment
+        acks: list[Ack] = [*view.released.values(), *view.acquired.values(), *view.track_done.values()]
+        for ack in acks:
+            self._acknowledge(ack)
+        for request in view.requests:
+            self._request(request)
+        ongoing = moves_of(self.assignment) if self.assignment is not None else frozenset()
+        for move_id in view.started - ongoing:
+            self._finished.setdefault(move_id, [])
+        self._settle()
+
+    def view(self, finished: bool = True) -> ControlView:
+        released, acquired, track_done = dict(self._released), dict(self._acquired), dict(self._track_done)
+        if finished:
+            for acks in self._finished.values():
+                for ack in acks:
+                    if isinstance(ack, ReleasedMsg):
+                        released[ack.move_id] = ack
+                    elif isinstance(ack, AcquiredMsg):
+                        acquired[ack.move_id] = ack
+                    else:
+                        track_done[ack.key] = ack
+        return ControlView(
+            assignment=self.assignment,
+            released=released,
+            acquired=acquired,
+            track_done=track_done,
+            requests=tuple(self._requests.values()),
+            started=self._moves | self._finished.keys() if finished else self._moves,
+        )
+
+    def _newer(self, msg: AssignmentMsg) -> bool:
+        a = self.assignment
+        if a is not None and msg.epoch == a.epoch and msg != a:
+            raise ConflictingAssignments(f"two different assignments of epoch {msg.epoch} in the control log")
+        return a is None or msg.epoch > a.epoch
+
+    def _acknowledge(self, ack: Ack) -> None:
+        if isinstance(ack, ReleasedMsg):
+            known = self._released.get(ack.move_id)
+            if not (ack.announced and known is not None and not known.announced):
+                self._released[ack.move_id] = ack
+        elif isinstance(ack, AcquiredMsg):
+            self._acquired[ack.move_id] = ack
+        else:
+            self._track_done[ack.key] = ack
+
+    def _request(self, msg: MoveRequestMsg) -> None:
+        known = self._requests.get(msg.request_id, msg)
+        pids = tuple(p for p in known.pids if p in msg.pids and not self._started(msg.move_id(p)))
+        if pids:
+            self._requests[msg.request_id] = replace(msg, pids=pids)
+        else:
+            self._requests.pop(msg.request_id, None)
+
+    def _started(self, move_id: str) -> bool:
+        return move_id in self._moves or move_id in self._finished
+
+    def _settle(self) -> None:
+        """Bring the state in line with the newest assignment: end the moves it no longer refers to,
+        forget the requests it starts."""
+        if self.assignment is None:
+            return
+        moves = moves_of(self.assignment)
+        for move_id in moves - self._moves:
+            self._finished.pop(move_id, None)  # a move referred to again is not over
+        acknowledged = {*self._released, *self._acquired, *(t.move_id for t in self._track_done.values())}
+        for move_id in sorted((self._moves | acknowledged) - moves):
+            self._finish(move_id)
+        self._forget_oldest()
+        self._moves = moves
+        if self._requests and moves:
+            for request in list(self._requests.values()):
+                self._request(request)
+
+    def _finish(self, move_id: str) -> None:
+        acks: list[Ack] = []
+        for found in (
+            self._released.pop(move_id, None),
+            self._acquired.pop(move_id, None),
+            *(self._track_done.pop(track_key(move_id, side), None) for side in ("old", "new")),
+        ):
+            if found is not None:
+                acks.append(found)
+        self._finished.pop(move_id, None)
+        self._finished[move_id] = acks  # the newest last
+
+    def _forget_oldest(self) -> None:
+        while len(self._finished) > RECENT_MOVES:
+            del self._finished[next(iter(self._finished))]
 
 
 def fold(messages: Iterable[Message], start: ControlView | None = None) -> ControlView:
-    view = start or ControlView()
+    folded = Fold(start)
     for msg in messages:
-        view = view.apply(msg)
-    return view
+        folded.add(msg)
+    return folded.view()

@@ -16,8 +16,13 @@ The marker also publishes, atomically with the output, how far each pid has been
 Handoffs ride the same transaction: a batch that releases pids writes their exported windows to the
 handoff topic and `Released` to the control topic; a batch that installs taken-over pids writes
 `Acquired`, and the end of a parallel-track overlap `TrackDone`. Before committing, the sink reads the
-control log to its end and aborts if a newer assignment lists this instance as evicted (it was declared
-dead and its pids recovered elsewhere): a stale owner can neither emit nor acknowledge.
+control log's assignments to its end and aborts if a newer one lists this instance as evicted (it was
+declared dead and its pids recovered elsewhere): a stale owner can neither emit nor acknowledge. The
+controller also fences a dead instance by initialising its `transactional.id`; a sink so fenced stops
+as evicted (`Fenced`) instead of failing and restarting as though nothing had happened.
+
+A batch's produce phase (its transaction, from begin to commit) must fit in `TRANSACTION_TIMEOUT_S`:
+the broker aborts a longer one, and the sink then fails naming the overrun (`TransactionOverrun`).
 
 After each commit the sink notes every kept pid's window `stream_max`, with the offsets it has read up to,
 in a file the source reads when it plans a batch: a parallel track that begins where the last batch left
@@ -36,11 +41,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from confluent_kafka import KafkaException
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from pipeline.codec import Malformation, decode_results
 from pipeline.config import Config
-from pipeline.control import ControlLog, publish
+from pipeline.control import publish
 from pipeline.join import Part, WindowState, window_to_bytes
 from pipeline.operator import (
     KIND_LATE,
@@ -52,9 +57,19 @@ from pipeline.operator import (
     KIND_TRACK_DONE,
     KIND_WATERMARK,
 )
-from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, TrackDoneMsg, handoff_from_json
+from pipeline.protocol import (
+    AcquiredMsg,
+    AssignmentMsg,
+    ProtocolError,
+    ReleasedMsg,
+    Snapshot,
+    SnapshotMsg,
+    TrackDoneMsg,
+    decode,
+    handoff_from_json,
+)
 from pipeline.source import TRACK_OLD, write_results_per_tuple, write_watermarks
-from pipeline.topics import partition_offsets, read_topic
+from pipeline.topics import BOUNDED_READ, partition_offsets, read_topic
 
 LATE_REASON = "late: event time below its input partition's newest before it minus the allowed lateness"
 # A batch whose transaction the broker aborted (a broker away for longer than the transaction timeout)
@@ -62,6 +77,13 @@ LATE_REASON = "late: event time below its input partition's newest before it min
 # the broker answers with a retriable error is tried again for up to TRANSACTION_RETRY_S.
 TRANSACTION_ATTEMPTS = 8
 TRANSACTION_RETRY_S = 300.0
+TRANSACTION_TIMEOUT_S = 15.0
+"""The broker aborts a transaction open for longer. A killed instance's open transaction holds back
+read_committed readers of every topic it wrote to (the control log among them) until then: keep it
+short. A batch's transaction spans producing its output, not computing it."""
+FENCED_ERRORS = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
+"""What the producer answers once another took its `transactional.id` or the broker aborted its
+transaction for lasting too long: no later call of it can succeed."""
 LAG_TIMEOUT_S = 5.0  # how long a batch waits for the input's end offsets, a metrics figure
 SNAPSHOT_CHUNK_BYTES = 900_000  # keeps each exported-window message under Kafka's 1 MB default
 
@@ -85,6 +107,10 @@ class Fenced(RuntimeError):
     """This instance no longer owns a pid it processed: it was declared dead and must restart empty."""
 
 
+class TransactionOverrun(RuntimeError):
+    """A batch's transaction lasted longer than `TRANSACTION_TIMEOUT_S`, and the broker aborted it."""
+
+
 def read_logged_offsets(checkpoint: Path, batch_id: int) -> dict[str, Any]:
     """The source offset Spark logged for `batch_id` (the offset log is written before the batch runs)."""
     lines = (checkpoint / "offsets" / str(batch_id)).read_text().splitlines()
@@ -92,12 +118,19 @@ def read_logged_offsets(checkpoint: Path, batch_id: int) -> dict[str, Any]:
 
 
 def newest_markers(cfg: Config, bootstrap: str) -> dict[str, dict[str, Any]]:
-    """Each instance's newest committed marker, by instance name (read from the commits topic)."""
+    """Each instance's newest marker committed before the call, by instance name. Read to the high
+    watermark once the transactions below it have ended: read only to the last stable offset, another
+    instance's open transaction hides every marker committed after its first message."""
     newest: dict[str, dict[str, Any]] = {}
-    for _, _, value in read_topic(bootstrap, cfg.sink_commits_topic):
+    for _, _, value in read_topic(bootstrap, cfg.sink_commits_topic, settled=True):
         marker = json.loads(value)
         newest[marker["instance"]] = marker
     return newest
+
+
+def transactional_id(cfg: Config, instance: str) -> str:
+    """The `transactional.id` of `instance`'s sink: initialising it fences the instance."""
+    return f"{cfg.pipeline}.{instance}"
 
 
 def last_commit(cfg: Config, bootstrap: str, instance: str, incarnation: str) -> dict[str, Any] | None:
@@ -129,6 +162,63 @@ RESULTS_PER_TUPLE_BATCHES = 8
 largest, since a backlog's batch makes more results per tuple than the trigger-sized ones before it."""
 
 
+class Evictions:
+    """The newest epoch whose assignment lists one of `names` as evicted, read from the control log to its
+    high watermark, uncommitted assignments included.
+
+    Read committed, the log ends at its last stable offset, before a batch's own acknowledgements (they
+    are in its open transaction) and before any other open transaction's: an eviction published after
+    them would be invisible until they end. Assignments are all that is read here, and reading one
+    before it commits errs on the safe side: an eviction in a transaction that then aborts stops a live
+    instance, which restarts from its checkpoint."""
+
+    def __init__(self, bootstrap: str, topic: str, names: set[str], admin: Any) -> None:
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": "fluxjoin-unused",
+                "enable.auto.commit": False,
+                "isolation.level": "read_uncommitted",
+                "auto.offset.reset": "earliest",
+            }
+            | BOUNDED_READ
+        )
+        self._consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        self._topic, self._names, self._admin = topic, names, admin
+        self._next = 0
+        self.newest: int | None = None
+
+    def catch_up(self, timeout_s: float = 30.0) -> int | None:
+        """Read every message appended before this call; the newest epoch that evicts `names`."""
+        end = partition_offsets(self._admin, [(self._topic, 0)], timeout_s=timeout_s)[(self._topic, 0)]
+        deadline = time.monotonic() + timeout_s
+        while self._next < end:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self._topic} not readable up to offset {end}")
+            for msg in self._consumer.consume(num_messages=1000, timeout=0.1):
+                if msg.error() is not None:
+                    continue
+                self._next = (msg.offset() or 0) + 1
+                self._note(msg.value() or b"")
+            position = self._consumer.position([TopicPartition(self._topic, 0)])[0].offset
+            self._next = max(self._next, position)  # past transaction markers, which are not delivered
+        return self.newest
+
+    def _note(self, raw: bytes) -> None:
+        try:
+            msg = decode(raw)
+        except ProtocolError:
+            return
+        # A snapshot stands for the assignments before it, which the log may no longer hold.
+        assignment = msg.view.assignment if isinstance(msg, SnapshotMsg) else msg
+        if isinstance(assignment, AssignmentMsg) and self._names & set(assignment.evicted):
+            epoch = assignment.epoch
+            self.newest = max(epoch, self.newest if self.newest is not None else epoch)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
 class ExactlyOnceSink:
     """`foreachBatch` target: writes one micro-batch's output in one Kafka transaction."""
 
@@ -158,22 +248,25 @@ class ExactlyOnceSink:
         self.producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
-                "transactional.id": f"{cfg.pipeline}.{instance}",
+                "transactional.id": transactional_id(cfg, instance),
                 "linger.ms": 5,
                 "batch.size": 1_000_000,
                 "compression.type": "lz4",
-                # A killed instance's open transaction holds back read_committed readers of every topic it
-                # wrote to (the control log among them) until it times out: keep that short. A batch's
-                # transaction spans only producing its output, not computing it.
-                "transaction.timeout.ms": 15_000,
+                "transaction.timeout.ms": int(TRANSACTION_TIMEOUT_S * 1000),
             }
         )
         self.producer.init_transactions(60)  # fences any previous incarnation of this instance
         self.admin = AdminClient({"bootstrap.servers": bootstrap})
+        # After init_transactions: the previous incarnation's open transaction is aborted by now.
         marker = last_commit(cfg, bootstrap, instance, incarnation)
         self.last_batch = int(marker["batch"]) if marker else -1
-        self.control = ControlLog(bootstrap, cfg.control_topic)
+        self.completed = -1
+        """The newest batch this process completed (committed, or already committed and run again)."""
+        names = {f"{instance}@{incarnation}", f"{instance}@?"}  # "?": never heard
+        self.evictions = Evictions(bootstrap, cfg.control_topic, names, self.admin)
+        self._begun = time.monotonic()  # when the batch's transaction began
         self._delivered: dict[int, int] = {}
+        self._undelivered: dict[int, KafkaError] = {}
         self.last_end = time.monotonic()
         self.streams = cfg.streams
 
@@ -186,6 +279,7 @@ class ExactlyOnceSink:
             batch_df.write.format("noop").mode("append").save()
             self._watermarks.clear()  # its windows changed unseen
             self.watermarks_path.unlink(missing_ok=True)
+            self.completed = batch_id
             return
         # One pass over the batch: collecting as Arrow runs the stateful operator, which commits its
         # state stores when each task's partition is consumed (a second action would recompute or need
@@ -195,22 +289,51 @@ class ExactlyOnceSink:
         columns = {name: table.column(name).to_numpy() for name in table.column_names}
         kind = columns.get("kind", np.empty(0, dtype=np.int8))
 
-        for attempt in range(1, TRANSACTION_ATTEMPTS + 1):
-            try:
-                metrics, results = self._write(batch_id, offsets, columns, kind, started)
-                break
-            except KafkaException as exc:
-                error = exc.args[0]
-                if not error.txn_requires_abort() or attempt == TRANSACTION_ATTEMPTS:
-                    raise
-                print(f"{self.instance}: batch {batch_id} not committed ({error.str()}); again", flush=True)
-                self._retrying(self.producer.abort_transaction)
-                time.sleep(min(30.0, 2.0**attempt))
-        self.last_batch = batch_id
+        try:
+            metrics, results = self._attempts(batch_id, offsets, columns, kind, started)
+        except KafkaException as exc:
+            if exc.args[0].code() not in FENCED_ERRORS:
+                raise
+            raise self._taken_over(batch_id, exc.args[0]) from exc
+        self.last_batch = self.completed = batch_id
         self._note_watermarks(offsets, columns, kind)
         if metrics["tuples_in"]:
             self._results_per_tuple.append(results / metrics["tuples_in"])
             write_results_per_tuple(self.results_per_tuple_path, max(self._results_per_tuple))
+
+    def _attempts(
+        self,
+        batch_id: int,
+        offsets: dict[str, Any],
+        columns: dict[str, np.ndarray],
+        kind: np.ndarray,
+        started: float,
+    ) -> tuple[dict[str, Any], int]:
+        """`_write`, again in a new transaction while the broker aborts it (decision 0048)."""
+        for attempt in range(1, TRANSACTION_ATTEMPTS):
+            try:
+                return self._write(batch_id, offsets, columns, kind, started)
+            except KafkaException as exc:
+                error = exc.args[0]
+                if not error.txn_requires_abort():
+                    raise
+                print(f"{self.instance}: batch {batch_id} not committed ({error.str()}); again", flush=True)
+                self._retrying(self.producer.abort_transaction)
+                time.sleep(min(30.0, 2.0**attempt))
+        return self._write(batch_id, offsets, columns, kind, started)
+
+    def _taken_over(self, batch_id: int, error: KafkaError) -> RuntimeError:
+        """Why the producer reads as fenced. The broker answers alike when another producer initialised
+        this `transactional.id` (the controller fencing a dead instance, or a second process under this
+        name) and when it aborted a transaction open for longer than its timeout: an eviction in the log,
+        or a transaction open for less than the timeout, says it was the former."""
+        open_s = time.monotonic() - self._begun
+        if open_s > TRANSACTION_TIMEOUT_S and self.evictions.catch_up() is None:
+            return TransactionOverrun(
+                f"batch {batch_id}: its transaction was open {open_s:.1f} s, longer than the transaction "
+                f"timeout ({TRANSACTION_TIMEOUT_S:g} s), and the broker aborted it ({error.str()})"
+            )
+        return Fenced(f"{self.instance}'s transactional id was taken over ({error.str()}); not committing")
 
     def _write(
         self,
@@ -223,6 +346,7 @@ class ExactlyOnceSink:
         """One transaction with the batch's whole output, its commit marker and its metrics; returns
         the metrics and the number of results."""
         self.producer.begin_transaction()
+        self._begun = time.monotonic()
         results = self._produce_results(columns, kind == KIND_RESULT)
         late = self._produce_dead_letters(columns, kind == KIND_LATE, "late")
         malformed = self._produce_dead_letters(columns, kind == KIND_MALFORMED, "malformed")
@@ -278,12 +402,10 @@ class ExactlyOnceSink:
         write_watermarks(self.watermarks_path, noted)
 
     def _evicted_in(self, offsets: dict[str, Any]) -> int | None:
-        """The epoch of a newer assignment that evicts this incarnation (its pids went elsewhere)."""
-        newest = self.control.catch_up().assignment
-        if newest is None or newest.epoch <= offsets["epoch"]:
-            return None
-        names = {f"{self.instance}@{self.incarnation}", f"{self.instance}@?"}  # "?": never heard
-        return newest.epoch if names & set(newest.evicted) else None
+        """The epoch of an assignment newer than the batch's that evicts this incarnation (its pids went
+        elsewhere)."""
+        newest = self.evictions.catch_up()
+        return newest if newest is not None and newest > offsets["epoch"] else None
 
     def _acknowledge_handoffs(
         self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray
@@ -330,7 +452,9 @@ class ExactlyOnceSink:
 
     def _export(self, pid: int, columns: dict[str, np.ndarray], kind: np.ndarray) -> Snapshot:
         """Write a released pid's window to the handoff topic in chunks; flush to learn their offsets
-        (inside the transaction: readers see them only once it commits)."""
+        (inside the transaction: readers see them only once it commits). Chunks the broker has not taken
+        while the transaction lasts fail the attempt, for another to produce them again: `Released` must
+        not name a snapshot whose checksum its receiver would reject for ever."""
         rows = (kind == KIND_STATE) & (columns["pid"] == pid)
         stream = columns["aux"][rows]
         parts = tuple(
@@ -344,19 +468,32 @@ class ExactlyOnceSink:
         stream_max = _released_stream_max(columns, kind, pid, len(self.streams))
         blob = window_to_bytes(WindowState(parts, stream_max))
         topic = self.cfg.handoff_topic
-        self._delivered = {}
-        for i, start in enumerate(range(0, max(1, len(blob)), SNAPSHOT_CHUNK_BYTES)):
+        self._delivered, self._undelivered = {}, {}
+        starts = range(0, max(1, len(blob)), SNAPSHOT_CHUNK_BYTES)
+        for i, start in enumerate(starts):
             chunk = blob[start : start + SNAPSHOT_CHUNK_BYTES]
             self.producer.produce(topic, value=chunk, partition=0, on_delivery=self._on_chunk(i))
-        self.producer.flush(60)
-        offsets = tuple(self._delivered[i] for i in sorted(self._delivered))
+        self.producer.flush(max(0.0, self._begun + TRANSACTION_TIMEOUT_S - time.monotonic()))
+        missing = [i for i in range(len(starts)) if i not in self._delivered]
+        if missing:
+            failed = next(iter(self._undelivered.values()), None)
+            reason = failed.str() if failed is not None else "the transaction's time ran out"
+            raise KafkaException(
+                KafkaError(
+                    failed.code() if failed is not None else KafkaError._MSG_TIMED_OUT,
+                    f"pid {pid}'s snapshot: {len(missing)} of {len(starts)} chunks not delivered ({reason})",
+                    txn_requires_abort=True,
+                )
+            )
+        offsets = tuple(self._delivered[i] for i in range(len(starts)))
         return Snapshot(topic=topic, partition=0, offsets=offsets, sha256=hashlib.sha256(blob).hexdigest())
 
     def _on_chunk(self, index: int) -> Any:
-        def record(err: Any, msg: Any) -> None:
+        def record(err: KafkaError | None, msg: Any) -> None:
             if err is not None:
-                raise RuntimeError(f"snapshot chunk not delivered: {err}")
-            self._delivered[index] = msg.offset()
+                self._undelivered[index] = err
+            else:
+                self._delivered[index] = msg.offset()
 
         return record
 
@@ -486,3 +623,4 @@ class ExactlyOnceSink:
 
     def close(self) -> None:
         self.producer.flush(30)
+        self.evictions.close()

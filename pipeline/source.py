@@ -80,7 +80,8 @@ class OwnedPids:
     epoch: int
     pids: frozenset[int]
     # Pids being taken over: where to continue and how to get the window. A pid new to this instance
-    # without a handoff starts at the earliest offsets with an empty window (a fresh pipeline).
+    # without a handoff starts at the earliest offsets with an empty window (a fresh pipeline; refused
+    # where the instance processed it before, `FluxjoinStreamReader._check_unprocessed`).
     handoffs: Mapping[int, Handoff] = field(default_factory=dict)
     # Pids in transit from this instance: released at the next batch boundary (parallel_track: the
     # overlap begins there instead).
@@ -349,8 +350,9 @@ class FluxjoinSource(DataSource):
     `lateness_ms` (how far back a replayed window reaches), `trigger_ms` (the time between batches:
     how much waiting input makes the instance behind), `poll_ms` (the query's trigger when shorter: how
     soon a move step gets its batch), `watermarks` (path of the file the sink notes
-    windows' `stream_max` in) and `control_topic` (where a replay's or a parallel track's `Released`
-    goes at the plan)."""
+    windows' `stream_max` in), `control_topic` (where a replay's or a parallel track's `Released`
+    goes at the plan) and `commits_topic` (the sink's commit markers: which pids this instance committed
+    before, `FluxjoinStreamReader._check_unprocessed`)."""
 
     @classmethod
     def name(cls) -> str:
@@ -420,19 +422,24 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self.instance = instance or ""
         self.watermarks_path = Path(options["watermarks"]) if "watermarks" in options else None
         self.control_topic = options.get("control_topic")
+        self.commits_topic = options.get("commits_topic")
         self._admin: Any = None
         self._consumer: Any = None
         self._per_message: float | None = None
         self._sampled_at = 0.0
 
     def _watermarks(self, pids: Sequence[int], spec: str) -> dict[str, dict[str, int]]:
+        """Each stream's earliest or latest offsets of `pids`. The latest are the last stable offsets:
+        the ranges are read `read_committed`, which ends there, and a batch planned up to the high
+        watermark would skip for ever what an upstream transaction open at the plan later commits."""
         from confluent_kafka.admin import AdminClient
 
         from pipeline.topics import partition_offsets
 
         if self._admin is None:
             self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        found = partition_offsets(self._admin, [(t, p) for t in self.topics for p in pids], spec == "latest")
+        wanted = [(t, p) for t in self.topics for p in pids]
+        found = partition_offsets(self._admin, wanted, spec == "latest", committed=True)
         topic_to_stream = dict(zip(self.topics, self.streams, strict=True))
         out: dict[str, dict[str, int]] = {s: {} for s in self.streams}
         for (topic, pid), offset in found.items():
@@ -451,19 +458,30 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         here (`tracking` role "old", carried in every later offset until the track ends); a pid taken
         over in that mode is tracked "new" until the assignment drops its track.
 
-        An old side can learn that its track ended only together with the pid's move back to it (the
-        epochs between were published during one long batch): the pid is then owned and still tracked
-        "old". It returns: its stale window is dropped (a `DROP_ROW` marker, first in the batch) and it
-        enters at its handoff's cutoff like any pid taken over.
+        A pid this query still holds can come back to it with a handoff it has not taken (`taken`: the
+        handoffs each offset since the taking carries, until the assignment drops them). It returns: its
+        stale window is dropped (a `DROP_ROW` marker, first in the batch) and it enters at its handoff's
+        cutoff like any pid taken over. That happens to an old side that learns its track ended only
+        together with the pid's move back to it (the epochs between were published during one long
+        batch), and to a query that announced a replay's release and stopped before Spark logged it
+        (decision 0040), when the pid is handed back to it before it plans again.
+
+        A pid new to the query with no handoff starts at the earliest offsets with an empty window:
+        right where nobody processed it (`_check_unprocessed`).
         """
         current: Offsets = offset["offsets"]
         first = self.streams[0]
         before: dict[str, dict[str, Any]] = offset.get("tracking", {})
+        taken: dict[str, str] = offset.get("taken", {})
         tracking: dict[str, dict[str, Any]] = {}
         markers: list[tuple[int, int, int, int, int]] = []
         tracked_moves = {p: m for p, m in owned.releasing.items() if m.mode is Mode.PARALLEL_TRACK}
         starting = {p: m for p, m in tracked_moves.items() if before.get(str(p), {}).get("role") != "old"}
-        returning = {p for p in owned.pids if before.get(str(p), {}).get("role") == "old"}
+        returning = {p for p in owned.pids if before.get(str(p), {}).get("role") == "old"} | {
+            p
+            for p, h in owned.handoffs.items()
+            if str(p) in current.get(first, {}) and taken.get(str(p)) != h.move_id
+        }
         held = set(owned.pids) | set(owned.old_tracks) | set(tracked_moves)
         kept = held - returning  # the held pids read on from where this query is
         keep: Offsets = {
@@ -488,7 +506,9 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         unread = (
             sorted(p for p in owned.releasing if str(p) not in keep[first]) if offset["epoch"] == -1 else []
         )
-        earliest = self._watermarks([p for p in new if p not in owned.handoffs] + unread, "earliest")
+        unhanded = [p for p in new if p not in owned.handoffs]
+        self._check_unprocessed(offset, owned.epoch, unhanded)
+        earliest = self._watermarks(unhanded + unread, "earliest")
         for p in unread:
             move = owned.releasing[p]
             cutoff = {s: earliest[s][str(p)] for s in self.streams}
@@ -547,8 +567,44 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             "released": released,
             "acquired": acquired,
             "tracking": tracking,
+            "taken": {str(p): h.move_id for p, h in sorted(owned.handoffs.items())},
             "markers": markers,
         }
+
+    def _check_unprocessed(self, offset: dict, epoch: int, pids: Sequence[int]) -> None:
+        """Refuse `pids`, owned in `epoch` with no handoff and new to this query, unless nobody has
+        processed them: read from the log start with an empty window, they would emit every retained
+        result again. A running query gains pids only by handoffs. A fresh one (epoch -1) starts its
+        pipeline's first assignment, or an instance that starts after the first epochs, and takes such
+        pids only if this instance never committed them: a checkpoint wiped while the instance kept
+        its pids (it rejoined after an eviction it outlived, or lost its disk) must not start them over.
+        """
+        if not pids:
+            return
+        if offset["epoch"] != -1:
+            why = f"new to a query that runs since epoch {offset['epoch']}"
+        elif self.commits_topic is None:
+            return
+        else:
+            committed = self._committed_pids(self.commits_topic)
+            pids = [p for p in pids if p in committed]
+            why = "committed by this instance before, under a checkpoint it no longer has"
+        if pids:
+            raise RuntimeError(
+                f"{self.instance}: pid {', '.join(map(str, pids))} owned in epoch {epoch} with no handoff, "
+                f"{why}: read from the log start it would emit every retained result again"
+            )
+
+    def _committed_pids(self, commits_topic: str) -> frozenset[int]:
+        """The pids of this instance's newest commit marker, whatever its incarnation."""
+        from pipeline.topics import read_topic
+
+        offsets: dict[str, int] = {}
+        for _, _, value in read_topic(self.bootstrap, commits_topic):
+            marker = json.loads(value)
+            if marker.get("instance") == self.instance:
+                offsets = marker["offsets"][self.streams[0]]
+        return frozenset(int(p) for p in offsets)
 
     def _replay_from(self, pid: int, cutoff: Mapping[str, int]) -> dict[str, int]:
         """Offsets from which re-reading the input rebuilds the window the previous owner had at the
@@ -557,23 +613,19 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         stream i's own newest event time must be re-read for the lateness rule (decision 0047). The
         newest event time of each stream is its last record's timestamp before the cutoff (a record's
         timestamp is its first event time; each target reaches back twice the lateness more for the
-        disorder within records). A stream that has nothing before the cutoff keeps every tuple of the
-        others in the window: they are re-read from the start. The install drops what is too old."""
+        disorder between records). A stream that has nothing before the cutoff keeps every tuple of the
+        others in the window: they are re-read from the start. The install drops what is too old.
+
+        Timestamps find the first record stamped at or after a target, but a record holds tuples from
+        its stamp on, as far as its producer packed them (the generator: half a second), so the records
+        before it that still hold a tuple at or after the target are re-read too (`_reach_back`)."""
         from confluent_kafka import TopicPartition
 
-        consumer = self._probe()
-        before = {t: cutoff[s] - 1 for t, s in zip(self.topics, self.streams, strict=True) if cutoff[s] > 0}
-        consumer.assign([TopicPartition(t, pid, o) for t, o in before.items()])
         newest: dict[str, int] = {}
-        deadline = time.monotonic() + 30
-        while before and time.monotonic() < deadline:
-            for msg in consumer.consume(num_messages=len(before), timeout=1):
-                topic = msg.topic() or ""
-                if msg.error() is not None or topic not in before:
-                    continue
-                if (msg.offset() or 0) <= before.pop(topic):  # past it: the offset held a marker
-                    newest[topic] = msg.timestamp()[1]
-        consumer.unassign()
+        for topic, stream in zip(self.topics, self.streams, strict=True):
+            record = self._record_before(topic, pid, cutoff[stream])
+            if record is not None:
+                newest[topic] = record.timestamp()[1]
         if not newest:
             return dict(cutoff)
         targets = []
@@ -585,18 +637,61 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 continue
             lowest = min(t for t in others if t is not None) - self.lateness_ms - self.window_ms
             targets.append(max(0, min(lowest, own) - 2 * self.lateness_ms))
-        found = consumer.offsets_for_times(
+        found = self._probe().offsets_for_times(
             [TopicPartition(t, pid, target) for t, target in zip(self.topics, targets, strict=True)], 30
         )
         by_topic = {tp.topic: tp.offset for tp in found}
         out = {}
-        for topic, stream in zip(self.topics, self.streams, strict=True):
+        for topic, stream, target in zip(self.topics, self.streams, targets, strict=True):
             offset = by_topic[topic]
-            out[stream] = cutoff[stream] if offset < 0 else min(offset, cutoff[stream])
+            first = cutoff[stream] if offset < 0 else min(offset, cutoff[stream])
+            out[stream] = self._reach_back(topic, pid, first, target)
         return out
 
+    def _reach_back(self, topic: str, pid: int, start: int, target: int) -> int:
+        """`start`, moved back over the records just before it that hold an event time at or after
+        `target` (a tuple's or a progress record's): whatever their stamp, the window holds their
+        later tuples."""
+        while (record := self._record_before(topic, pid, start)) is not None:
+            newest = newest_event_time(record.value())
+            if newest is None or newest < target:
+                break
+            start = record.offset()
+        return start
+
+    def _record_before(self, topic: str, pid: int, offset: int) -> Any:
+        """The last record of topic[pid] before `offset`, over transaction markers and aborted records;
+        None when there is none (the log starts at `offset` or later)."""
+        from confluent_kafka import KafkaError, TopicPartition
+
+        consumer = self._probe()
+        deadline = time.monotonic() + 30
+        at = offset - 1
+        try:
+            while at >= 0:
+                consumer.assign([TopicPartition(topic, pid, at)])
+                got = None
+                while got is None:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{topic}[{pid}]@{at} not readable within 30 s")
+                    for msg in consumer.consume(num_messages=1, timeout=1):
+                        ours = (msg.topic(), msg.partition()) == (topic, pid)
+                        if ours and (msg.error() is not None or (msg.offset() or 0) >= at):
+                            got = msg  # else a message a reused consumer still held
+                err = got.error()
+                if err is not None and err.code() == KafkaError._AUTO_OFFSET_RESET:
+                    return None  # below the log start
+                if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                    raise RuntimeError(f"reading {topic}[{pid}]@{at}: {err}")
+                if err is None and got.offset() == at:
+                    return got
+                at -= 1  # a transaction marker or an aborted record: nothing to read there
+            return None
+        finally:
+            consumer.unassign()  # an assigned consumer would go on fetching
+
     def _probe(self) -> Any:
-        """The reader's consumer of single messages: a sample's size, the newest tuple before a replay's
+        """The reader's consumer of single messages: a sample's size, the records before a replay's
         cutoff (`BOUNDED_READ`: each had cost half a second or more)."""
         from confluent_kafka import Consumer
 
@@ -604,7 +699,14 @@ class FluxjoinStreamReader(DataSourceStreamReader):
 
         if self._consumer is None:
             self._consumer = Consumer(
-                {"bootstrap.servers": self.bootstrap, "group.id": "fluxjoin-unused"} | BOUNDED_READ
+                {
+                    "bootstrap.servers": self.bootstrap,
+                    "group.id": "fluxjoin-unused",
+                    "isolation.level": "read_committed",  # what the ranges read
+                    "enable.partition.eof": True,  # a transaction marker at the end: an answer, not a wait
+                    "auto.offset.reset": "error",  # below the log start: an answer, not the end's record
+                }
+                | BOUNDED_READ
             )
             self._consumer.list_topics(timeout=10)  # connected and knowing the leaders before it is needed
         return self._consumer
@@ -621,7 +723,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self._planned_at, self._planned_steps = now, steps
         if owned.epoch == start["epoch"]:
             end, next_pid = self._read_up_to(start["offsets"], limit, int(start.get("next_pid", 0)))
-            return {"epoch": owned.epoch, "tracking": start.get("tracking", {}), "offsets": end} | next_pid
+            carried = {k: start.get(k, {}) for k in ("tracking", "taken")}
+            return {"epoch": owned.epoch, **carried, "offsets": end} | next_pid
         if start["epoch"] == -1:
             self._probe()  # connected before a replay needs it: a fresh one's first read took 1 s
         plan = self._change_epoch(start, owned)
@@ -887,7 +990,12 @@ def read_snapshot(bootstrap: str, snapshot: Snapshot) -> bytes:
     from pipeline.topics import BOUNDED_READ
 
     consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": "fluxjoin-unused", "isolation.level": "read_committed"}
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "fluxjoin-unused",
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "error",
+        }
         | BOUNDED_READ
     )
     chunks = []
@@ -896,8 +1004,9 @@ def read_snapshot(bootstrap: str, snapshot: Snapshot) -> bytes:
             consumer.assign([TopicPartition(snapshot.topic, snapshot.partition, offset)])
             got = consumer.consume(num_messages=1, timeout=30)
             if not got or got[0].error() is not None or got[0].offset() != offset:
+                why = f": {got[0].error()}" if got and got[0].error() is not None else ""
                 raise RuntimeError(
-                    f"snapshot chunk {snapshot.topic}[{snapshot.partition}]@{offset} unreadable"
+                    f"snapshot chunk {snapshot.topic}[{snapshot.partition}]@{offset} unreadable{why}"
                 )
             chunks.append(got[0].value() or b"")
     finally:
@@ -906,6 +1015,21 @@ def read_snapshot(bootstrap: str, snapshot: Snapshot) -> bytes:
     if hashlib.sha256(blob).hexdigest() != snapshot.sha256:
         raise RuntimeError(f"snapshot at {snapshot.topic}@{snapshot.offsets} fails its checksum")
     return blob
+
+
+def newest_event_time(value: bytes | None) -> int | None:
+    """The largest event time of a record: its tuples' or its progress record's; None for a record that
+    holds none or does not decode (dead-lettered, never in a window)."""
+    from pipeline.codec import MalformedRecord, decode_tuple_columns, progress_of
+
+    progress = progress_of(value)
+    if progress is not None:
+        return progress
+    try:
+        ts = decode_tuple_columns(value)[2]
+    except MalformedRecord:
+        return None
+    return int(ts.max()) if len(ts) else None
 
 
 def _rows(pid: int, stream: Any, ids: Any, keys: Any, ts: Any) -> pa.RecordBatch:
@@ -941,6 +1065,7 @@ def _range_consumer(bootstrap: str) -> Any:
                 "enable.auto.commit": False,
                 "enable.partition.eof": True,
                 "isolation.level": "read_committed",
+                "auto.offset.reset": "error",  # an offset retention deleted fails, never skips to the end
                 "fetch.max.bytes": 64 * 1024 * 1024,
                 "max.partition.fetch.bytes": 16 * 1024 * 1024,
             }
@@ -997,8 +1122,11 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
         deadline = time.monotonic() + _READ_TIMEOUT_S
         while pending:
             if time.monotonic() > deadline:
-                late = sorted(pending)[:5]
-                raise TimeoutError(f"offsets not readable within {_READ_TIMEOUT_S:.0f} s, e.g. {late}")
+                late = [f"{t}[{p}] {next_offset[(t, p)]}-{last_end[(t, p)]}" for t, p in sorted(pending)[:5]]
+                raise TimeoutError(
+                    f"offsets not readable within {_READ_TIMEOUT_S:.0f} s (not committed yet: an upstream "
+                    f"transaction still open?), e.g. {', '.join(late)}"
+                )
             remaining = sum(last_end[tp] - next_offset[tp] for tp in pending)
             for msg in consumer.consume(num_messages=max(1, min(remaining, 10_000)), timeout=0.5):
                 topic, partition, off, value = msg.topic(), msg.partition(), msg.offset(), msg.value()
@@ -1006,10 +1134,15 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                 tp = (topic, partition)
                 err = msg.error()
                 if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        pending.discard(tp)  # only transaction markers were left before the end
-                        continue
-                    raise RuntimeError(f"reading {tp}: {err}")
+                    if err.code() == KafkaError._AUTO_OFFSET_RESET:
+                        raise _input_gone(consumer, topic, partition, next_offset[tp], last_end[tp])
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(f"reading {tp}: {err}")
+                    # The committed end: past the range, only transaction markers were left in it; short
+                    # of it, a transaction the range was planned into is still open (read on).
+                    if (off or 0) >= last_end[tp]:
+                        pending.discard(tp)
+                    continue
                 assert off is not None
                 if tp not in pending or off >= last_end[tp]:
                     pending.discard(tp)
@@ -1044,6 +1177,23 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
     for r in ranges:
         if cols[r] or bad[r]:
             yield _to_arrow(r, cols[r], bad[r])
+
+
+class InputGone(RuntimeError):
+    """Input a batch or a replay must read is no longer in its topic: retention or a deletion moved the
+    log start past it. Fatal, naming what is gone: reading on from elsewhere would lose it unnoticed."""
+
+
+def _input_gone(consumer: Any, topic: str, partition: int, start: int, end: int) -> InputGone:
+    from confluent_kafka import TopicPartition
+
+    from pipeline.topics import watermark_offsets
+
+    low, _ = watermark_offsets(consumer, TopicPartition(topic, partition))
+    return InputGone(
+        f"{topic}[{partition}]: offsets from {start} (reading up to {end}) are gone, the log starts at "
+        f"{low} now; the input below it was deleted before it was read"
+    )
 
 
 def _to_arrow(

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from pipeline.config import Config
@@ -87,7 +87,12 @@ def topic_specs(cfg: Config) -> list[TopicSpec]:
             config={"cleanup.policy": "compact", "segment.ms": str(COMMITS_SEGMENT_MS)},
         ),
         TopicSpec(name=cfg.metrics_topic, partitions=1),
-        TopicSpec(name=cfg.control_topic, partitions=1),
+        # The protocol's only state: every record kept (a broker's default retention, 7 days, would delete
+        # the assignment of a pipeline that has not moved a pid for a week), never compacted (its keys
+        # are message types: compaction would keep one assignment and one acknowledgement of all).
+        TopicSpec(
+            name=cfg.control_topic, partitions=1, config={"cleanup.policy": "delete", "retention.ms": "-1"}
+        ),
         TopicSpec(name=cfg.handoff_topic, partitions=1),
     ]
 
@@ -205,18 +210,24 @@ def _await_visible(admin: AdminClient, bootstrap: str, specs: list[TopicSpec], t
         time.sleep(0.1)
 
 
-def read_topic(bootstrap: str, topic: str, timeout_s: float = 120.0) -> Iterator[tuple[int, int, bytes]]:
+def read_topic(
+    bootstrap: str, topic: str, timeout_s: float = 120.0, settled: bool = False
+) -> Iterator[tuple[int, int, bytes]]:
     """Every committed message of `topic` up to its current end that has a value: (partition, offset,
     value). A tombstone carries nothing for the readers of fluxjoin's own topics."""
-    for partition, offset, value in read_records(bootstrap, topic, timeout_s):
+    for partition, offset, value in read_records(bootstrap, topic, timeout_s, settled):
         if value is not None:
             yield partition, offset, value
 
 
 def read_records(
-    bootstrap: str, topic: str, timeout_s: float = 120.0
+    bootstrap: str, topic: str, timeout_s: float = 120.0, settled: bool = False
 ) -> Iterator[tuple[int, int, bytes | None]]:
-    """Every committed message of `topic` up to its current end, tombstones (None) included."""
+    """Every committed message of `topic` up to its current end, tombstones (None) included.
+
+    The end is the last stable offset: what another producer's transaction still open holds back, even
+    messages committed after its first, is left out. `settled` reads to the high watermark instead, once
+    every transaction below it has ended (`await_settled`): everything committed before the call."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -234,6 +245,8 @@ def read_records(
             raise RuntimeError(f"topic {topic}: {meta.error}")
         ends: dict[int, int] = {}
         assign = []
+        if settled:
+            await_settled(admin_client(bootstrap), [(topic, p) for p in meta.partitions])
         for p in sorted(meta.partitions):
             low, high = watermark_offsets(consumer, TopicPartition(topic, p))
             if high > low:
@@ -260,6 +273,32 @@ def read_records(
                     yield partition, offset, value
     finally:
         consumer.close()
+
+
+SETTLE_TIMEOUT_S = 60.0
+"""How long `await_settled` waits for the transactions open below a partition's end: fluxjoin's take
+15 s at most (`pipeline.sink.TRANSACTION_TIMEOUT_S`) before the broker aborts them, and the broker looks
+for expired ones every 10 s (`transaction.abort.timed.out.transaction.cleanup.interval.ms`)."""
+
+
+def await_settled(
+    admin: AdminClient, partitions: Iterable[tuple[str, int]], timeout_s: float = SETTLE_TIMEOUT_S
+) -> None:
+    """Return once each partition's last stable offset has reached the high watermark it had at the
+    call: every transaction that wrote below it has then committed or aborted, so a `read_committed`
+    reader misses nothing committed before the call. Transactions begun later do not hold it back."""
+    wanted = list(partitions)
+    high = partition_offsets(admin, wanted)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stable = partition_offsets(admin, wanted, committed=True)
+        if all(stable[tp] >= end for tp, end in high.items()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"transactions still open below the end of {sorted(high)} after {timeout_s:g} s"
+            )
+        time.sleep(0.1)
 
 
 def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float = 30.0) -> tuple[int, int]:
@@ -302,9 +341,12 @@ def partition_offsets(
     latest: bool = True,
     timeout_s: float = 30.0,
     at_ms: int | None = None,
+    committed: bool = False,
 ) -> dict[tuple[str, int], int]:
     """(topic, partition) -> end offset (or log start offset, or with `at_ms` the first offset whose
-    timestamp is at or after it, -1 if none is), retrying while new topics elect leaders."""
+    timestamp is at or after it, -1 if none is), retrying while new topics elect leaders. With
+    `committed`, the end is the last stable offset, where a `read_committed` consumer reaches its end:
+    the high watermark lies beyond transactions still open."""
     if at_ms is not None:
         spec = OffsetSpec.for_timestamp(at_ms)
     else:
@@ -315,7 +357,8 @@ def partition_offsets(
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            futures = admin.list_offsets(request, request_timeout=timeout_s)
+            isolation = IsolationLevel.READ_COMMITTED if committed else IsolationLevel.READ_UNCOMMITTED
+            futures = admin.list_offsets(request, isolation_level=isolation, request_timeout=timeout_s)
             return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
         except KafkaException as exc:
             error = exc.args[0]

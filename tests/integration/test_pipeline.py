@@ -120,6 +120,11 @@ def test_a_paced_instance_runs_its_batches_a_trigger_apart_and_stays_exact(
     per_pid = [sum(s["results"] for s in b["pids"].values()) for b in batches]
     assert per_pid == [b["results"] for b in batches], "a batch's per-pid result counts add up to its own"
     assert sum(per_pid) == report.expected
+    beats = [r for r in records if r.get("kind") == "heartbeat"]
+    said = [(b["batch"], b["progress_ms"]) for b in beats]
+    assert said == sorted(said), "a heartbeat's progress never goes back"
+    assert {b for b, _ in said} <= {-1} | {b["batch"] for b in batches}, "it names batches the query ran"
+    assert said[-1][0] >= 0 and all(t <= b["time_ms"] for (_, t), b in zip(said, beats, strict=True))
 
 
 def test_batches_take_fewer_pids_once_they_are_seen_to_make_many_results(

@@ -6,17 +6,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from controller.moves import Liveness, finished_moves, moves_in_flight, moves_releasing, plan_step
+from controller.moves import (
+    Liveness,
+    finished_moves,
+    moves_in_flight,
+    moves_releasing,
+    plan_step,
+    requested_moves,
+)
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
     ControlView,
     Handoff,
     Mode,
+    MoveRequestMsg,
     MoveSpec,
     ReleasedMsg,
     Snapshot,
     TrackDoneMsg,
+    decode,
+    encode,
     fold,
 )
 
@@ -26,19 +36,29 @@ MOVE = MoveSpec(move_id="m1", pid=1, source="a", target="b", mode=Mode.TRANSFER)
 SNAP = Snapshot(topic="t", partition=0, offsets=(7,), sha256="00" * 32)
 
 
-def committed(instance: str, pid: int) -> Mapping[str, int] | None:
-    return {"A": 100 + pid, "B": 200 + pid} if instance == "a" else None
+MARKERS: Mapping[str, Mapping[int, Mapping[str, int]]] = {
+    "a": {p: {"A": 100 + p, "B": 200 + p} for p in range(4)}
+}
+"""Each instance's newest commit marker, per pid: "a" committed all four pids, the others nothing."""
 
 
 def earliest(pid: int) -> Mapping[str, int]:
     return {"A": 0, "B": 0}
 
 
+def plan(
+    view: ControlView,
+    liveness: Liveness = LIVE,
+    requested: list[MoveSpec] | None = None,
+    markers: Mapping[str, Mapping[int, Mapping[str, int]]] = MARKERS,
+) -> tuple[AssignmentMsg | None, list[str]]:
+    return plan_step(view, liveness, requested or [], markers, earliest)
+
+
 def step(
     view: ControlView, liveness: Liveness = LIVE, requested: list[MoveSpec] | None = None
 ) -> AssignmentMsg | None:
-    msg, _ = plan_step(view, liveness, requested or [], committed, earliest)
-    return msg
+    return plan(view, liveness, requested)[0]
 
 
 def test_a_move_goes_in_transit_then_to_the_target_then_settles() -> None:
@@ -90,7 +110,7 @@ def test_moves_of_unowned_pids_or_to_dead_targets_are_not_started() -> None:
     view = fold([START])
     wrong_source = MoveSpec(move_id="x", pid=2, source="a", target="c", mode=Mode.REPLAY)
     to_stranger = MoveSpec(move_id="y", pid=0, source="a", target="zz", mode=Mode.REPLAY)
-    msg, said = plan_step(view, LIVE, [wrong_source, to_stranger], committed, earliest)
+    msg, said = plan_step(view, LIVE, [wrong_source, to_stranger], MARKERS, earliest)
     assert msg is None
     assert any("zz is not live" in line for line in said)
 
@@ -122,7 +142,10 @@ def test_a_handoff_never_taken_moves_on_with_its_cutoff() -> None:
     handoff = Handoff(move_id="m1", mode=Mode.TRANSFER, cutoff={"A": 5, "B": 6}, snapshot=SNAP)
     view = fold([AssignmentMsg(epoch=2, owners={0: "a", 1: "b", 2: "b", 3: "c"}, handoffs={1: handoff})])
     msg = step(view, Liveness(live={"a": "ia", "c": "ic"}, dead=frozenset({"b"})))
-    assert msg is not None and msg.owners[1] in {"a", "c"} and msg.handoffs[1] == handoff
+    assert msg is not None and msg.owners[1] in {"a", "c"}
+    assert msg.handoffs[1] == replace(handoff, move_id=msg.handoffs[1].move_id) != handoff, (
+        "its cutoff and snapshot, under a move id of its own"
+    )
 
 
 def test_an_evicted_instance_rejoins_under_a_new_incarnation_only() -> None:
@@ -214,7 +237,7 @@ def test_a_dead_receiver_whose_part_of_the_overlap_ended_is_recovered_by_plain_r
 def test_a_parallel_track_waits_for_a_third_instance_rather_than_share_one() -> None:
     view = _overlap()
     only_a = Liveness(live={"a": "ia"}, dead=frozenset({"b", "c"}), incarnations={"b": "ib", "c": "ic"})
-    msg, said = plan_step(view, only_a, [], committed, earliest)
+    msg, said = plan_step(view, only_a, [], MARKERS, earliest)
     assert msg is not None and "b@ib" not in msg.evicted and msg.owners[1] == "b"
     assert any("a parallel track needs two" in line for line in said)
 
@@ -257,3 +280,119 @@ def view_step_with(view: ControlView, requested: list[MoveSpec]) -> AssignmentMs
     msg = step(view, requested=requested)
     assert msg is not None
     return msg
+
+
+def test_an_instance_evicted_under_the_incarnation_it_still_runs_is_no_target() -> None:
+    """It was declared dead during a stall and will exit as soon as it notices: pids moved onto it
+    would be read by nobody, or from the log start once it restarts empty."""
+    view = fold([AssignmentMsg(epoch=4, owners={0: "b", 1: "c"}, evicted=("a@ia",))])
+    to_a = MoveSpec(move_id="z", pid=0, source="b", target="a", mode=Mode.REPLAY)
+    msg, said = plan(view, LIVE, [to_a])
+    assert msg is None, "a move onto a is refused"
+    assert any("a is not live" in line for line in said)
+    c_dead = Liveness(live={"a": "ia", "b": "ib"}, dead=frozenset({"c"}), incarnations={"c": "ic"})
+    recovered = step(view, c_dead)
+    assert recovered is not None and recovered.owners[1] == "b", "nor the target of a recovery"
+
+
+def test_an_instance_that_rejoins_while_the_assignment_gives_it_pids_gets_them_recovered() -> None:
+    """Its new incarnation started empty: the pids its evicted incarnation still owned in the assignment
+    are replayed from that incarnation's committed offsets, not read from the log start."""
+    view = fold([AssignmentMsg(epoch=4, owners={0: "a", 1: "a", 2: "b"}, evicted=("a@old",))])
+    msg = step(view, Liveness(live={"a": "new", "b": "ib"}, dead=frozenset()))
+    assert msg is not None
+    for p in (0, 1):
+        h = msg.handoffs[p]
+        assert h.mode is Mode.REPLAY and dict(h.cutoff) == {"A": 100 + p, "B": 200 + p}
+    assert msg.evicted == ("a@old",), "a rejoins once its old incarnation holds nothing"
+    back = step(view.apply(msg), Liveness(live={"a": "new", "b": "ib"}, dead=frozenset()))
+    assert back is not None and back.evicted == ()
+
+
+def test_a_dead_instance_evicted_earlier_that_still_owns_pids_loses_them() -> None:
+    view = fold([AssignmentMsg(epoch=4, owners={0: "a", 1: "b", 2: "b", 3: "c"}, evicted=("a@ia",))])
+    a_dead = Liveness(live={"b": "ib", "c": "ic"}, dead=frozenset({"a"}), incarnations={"a": "ia"})
+    msg = step(view, a_dead)
+    assert msg is not None and msg.owners[0] in {"b", "c"}
+    assert dict(msg.handoffs[0].cutoff) == {"A": 100, "B": 200} and msg.evicted == ("a@ia",)
+
+
+def test_a_pid_missing_from_the_marker_of_an_instance_that_committed_waits_rather_than_replay_the_log() -> (
+    None
+):
+    """Only an instance that never committed anything falls back to the log start: a marker without the
+    pid (its release committed but not visible yet, a marker hidden behind an open transaction) does not
+    say where the pid's committed output ends."""
+    view = fold([START])
+    a_dead = Liveness(live={"b": "ib", "c": "ic"}, dead=frozenset({"a"}), incarnations={"a": "ia"})
+    msg, said = plan(view, a_dead, markers={"a": {0: {"A": 100, "B": 200}}})
+    assert msg is not None and dict(msg.handoffs[0].cutoff) == {"A": 100, "B": 200}
+    assert msg.owners.get(1) == "a" and 1 not in msg.handoffs, "pid 1 waits"
+    assert any("pid 1" in line and "waiting" in line for line in said)
+
+
+def test_acknowledgements_count_only_from_the_instance_the_step_waits_for() -> None:
+    view = fold([START])
+    view = view.apply(view_step_with(view, [MOVE]))
+    stranger = ReleasedMsg(instance="c", epoch=1, pid=1, move_id="m1", cutoff={"A": 5, "B": 6}, snapshot=SNAP)
+    assert step(view.apply(stranger)) is None, "only the source releases"
+    view = view.apply(
+        ReleasedMsg(instance="a", epoch=1, pid=1, move_id="m1", cutoff={"A": 5, "B": 6}, snapshot=SNAP)
+    )
+    view = view.apply(view_step(view))
+    assert step(view.apply(AcquiredMsg(instance="c", epoch=2, pid=1, move_id="m1"))) is None, (
+        "only the new owner acquires"
+    )
+    track = _overlap()
+    done_elsewhere = TrackDoneMsg(instance="c", epoch=3, pid=1, move_id="pt", side="old")
+    assert step(track.apply(done_elsewhere)) is None, "only the old side's holder ends it"
+
+
+def test_a_zombie_acquired_for_a_handoff_given_to_another_owner_is_ignored() -> None:
+    """b died before taking pid 1; its handoff goes on to another owner under a move id of its own, so a
+    late `Acquired` from b (whose transaction committed before it was fenced) does not drop it."""
+    handoff = Handoff(move_id="m1", mode=Mode.TRANSFER, cutoff={"A": 5, "B": 6}, snapshot=SNAP)
+    view = fold([AssignmentMsg(epoch=2, owners={0: "a", 1: "b", 2: "b", 3: "c"}, handoffs={1: handoff})])
+    b_dead = Liveness(live={"a": "ia", "c": "ic"}, dead=frozenset({"b"}), incarnations={"b": "ib"})
+    msg = step(view, b_dead)
+    assert msg is not None
+    view = view.apply(msg).apply(AcquiredMsg(instance="b", epoch=2, pid=1, move_id="m1"))
+    assert step(view, b_dead) is None, "the new owner's handoff stays until it acquires"
+
+
+def test_a_move_whose_target_died_is_never_retargeted_onto_its_source() -> None:
+    """With no other live instance the move waits for its source's release (which may already be
+    committed, unseen), then the pid goes back to the source by a handoff from its own cutoff."""
+    view = fold([AssignmentMsg(epoch=1, owners={0: "a", 2: "b", 3: "c"}, moving={1: MOVE})])
+    only_a = Liveness(live={"a": "ia"}, dead=frozenset({"b", "c"}), incarnations={"b": "ib", "c": "ic"})
+    msg = step(view, only_a)
+    assert msg is not None and msg.moving[1].target != "a"
+    view = view.apply(msg).apply(
+        ReleasedMsg(instance="a", epoch=1, pid=1, move_id="m1", cutoff={"A": 5, "B": 6}, snapshot=SNAP)
+    )
+    a = view_step(view, only_a)
+    assert a.owners[1] == "a" and not a.moving
+    assert a.handoffs[1].cutoff == {"A": 5, "B": 6} and a.handoffs[1].snapshot == SNAP
+
+
+def test_a_move_from_an_instance_to_itself_found_in_the_log_fails_nothing() -> None:
+    """An assignment no controller writes now (an older one did): the controller reads and continues it
+    rather than fail on it at every restart."""
+    to_itself = replace(MOVE, target="a")
+    view = fold([AssignmentMsg(epoch=1, owners={0: "a", 2: "b", 3: "c"}, moving={1: to_itself})])
+    assert moves_in_flight(view) == []
+    assert step(view, requested=[replace(MOVE, move_id="m2", pid=0, target="a")]) is None
+    released = ReleasedMsg(instance="a", epoch=1, pid=1, move_id="m1", cutoff={"A": 5, "B": 6}, snapshot=SNAP)
+    msg = step(view.apply(released))
+    assert msg is not None and msg.owners[1] == "a" and msg.handoffs[1].cutoff == {"A": 5, "B": 6}
+
+
+def test_a_move_request_past_its_expiry_is_dropped_not_served() -> None:
+    """`fluxjoin move` gave up waiting at `expires_ms`: a controller that reads the request later (it was
+    not running) must not serve it."""
+    late = MoveRequestMsg(request_id="r1", pids=(1,), target="b", mode=Mode.REPLAY, expires_ms=1_000)
+    fresh = MoveRequestMsg(request_id="r2", pids=(0,), target="c", mode=Mode.REPLAY, expires_ms=3_000)
+    assert decode(encode(late)) == late
+    moves, said = requested_moves(fold([START, late, fresh]), now_ms=2_000)
+    assert [(m.move_id, m.pid, m.source, m.target) for m in moves] == [("r2-0", 0, "a", "c")]
+    assert any("r1" in line and "expired" in line for line in said)
