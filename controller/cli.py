@@ -228,14 +228,16 @@ def controller(
     except (ValueError, TypeError) as exc:
         fail(f"--policy-param: {exc}")
     from controller.moves import ControllerFenced
+    from pipeline.control import FENCED_EXIT_STATUS
 
-    stops: tuple[type[Exception], ...] = (*_user_errors(), ControllerFenced)  # fenced: another one runs
     stopping = _stop_on_signals()
     try:
         run_controller(
             cfg, _bootstrap(cfg), policy, params, heartbeat_timeout, dry_run, stopping.is_set, _say_with_time
         )
-    except stops as exc:
+    except ControllerFenced as exc:
+        fail(str(exc), FENCED_EXIT_STATUS)
+    except _user_errors() as exc:
         fail(str(exc))
 
 

@@ -29,7 +29,7 @@ from controller.local import LocalPipeline, wait_drained
 from controller.moves import request_moves
 from controller.runner import instance_names
 from pipeline.config import Config
-from pipeline.control import ControlLog
+from pipeline.control import FENCED_EXIT_STATUS, ControlLog
 from pipeline.oracle import VerifyReport, verify_pipeline
 from pipeline.protocol import ControlView, Mode, SnapshotMsg, decode
 
@@ -73,10 +73,6 @@ def soak_config(base: Config, pipeline: str, seconds: float) -> Config:
     )
 
 
-EVICTED_STATUS = 3
-"""The exit status of an instance that finds itself evicted, and of a controller fenced by a newer one."""
-
-
 class Watch:
     """Waits on the control log for a condition, failing fast when a pipeline process has crashed."""
 
@@ -86,7 +82,7 @@ class Watch:
         self.controller = "controller"
         """The name of the newest controller process (whose log a timeout shows)."""
         self.superseded: set[str] = set()
-        """Older controllers, which stop with `EVICTED_STATUS` once the newest has fenced them."""
+        """Older controllers, which stop with `FENCED_EXIT_STATUS` once the newest has fenced them."""
 
     def until(self, ok: Callable[[ControlView], bool], timeout_s: float, what: str) -> ControlView:
         deadline = time.monotonic() + timeout_s
@@ -97,7 +93,7 @@ class Watch:
             crashed = {
                 n: c
                 for n, c in self.pipeline.failed().items()
-                if n != "generator" and not (n in self.superseded and c == EVICTED_STATUS)
+                if n != "generator" and not (n in self.superseded and c == FENCED_EXIT_STATUS)
             }
             if crashed:
                 name = next(iter(crashed))
@@ -260,7 +256,7 @@ def _zombie(pipeline: LocalPipeline, watch: Watch, victim: str) -> None:
         status = proc.wait(120)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{victim}, evicted while frozen, still runs 120 s after it was let go") from None
-    if status != EVICTED_STATUS:
+    if status != FENCED_EXIT_STATUS:
         tail = pipeline.log_tail(victim, 40)
         raise RuntimeError(f"{victim} exited with {status} after its eviction:\n{tail}")
     pipeline.kill(victim)  # forget the exited process

@@ -40,6 +40,12 @@ newest thousand messages leave a snapshot after them to start from. Reading one 
 the whole log nothing but its decoding (it skips it)."""
 
 
+FENCED_EXIT_STATUS = 3
+"""The exit status of a process another one took over from: an instance evicted or fenced (its pids live
+elsewhere), a controller fenced by a newer controller of its pipeline. A supervisor restarts it; an
+instance then rejoins empty."""
+
+
 class ControlLogTruncated(RuntimeError):
     """Records of the control log that a reader has not read are deleted, and no snapshot follows them:
     the state they held is lost, and what is left would read as another pipeline's."""
@@ -232,6 +238,10 @@ class InstanceFollower:
         hands it no pids, which would pause until its query had started (decision 0043)."""
         self.progress: dict[str, int] = {}
         """Set by the instance: how far its query has got (`pipeline.instance.QueryProgress.fields`)."""
+        self.evicted = threading.Event()
+        """Set once the log evicts this incarnation: the instance stops (`FENCED_EXIT_STATUS`) even when
+        no batch of its query would meet the sink's fence (it holds no pid, or its query is idle)."""
+        self._unseen: bool | None = None  # whether "name@?" was already listed when this incarnation began
 
     def newest(self) -> AssignmentMsg | None:
         return self.log.catch_up().assignment
@@ -241,6 +251,12 @@ class InstanceFollower:
         one: the query acts on the file, and an older epoch would give it back pids it has released."""
         msg = self.newest()
         if msg is None:
+            return
+        unseen = f"{self.instance}@?" in msg.evicted  # a controller that never heard it evicted the name
+        if self._unseen is None:
+            self._unseen = unseen  # listed before this incarnation began: not about it
+        if f"{self.instance}@{self.incarnation}" in msg.evicted or (unseen and not self._unseen):
+            self.evicted.set()
             return
         if self.assignment.exists() and read_assignment(self.assignment).epoch >= msg.epoch:
             return
@@ -263,7 +279,7 @@ class InstanceFollower:
 
     def _run(self, period_s: float = 0.1, beat_every_s: float = 1.0) -> None:
         last_beat = 0.0
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.evicted.is_set():
             try:
                 self.sync()
                 if time.monotonic() - last_beat >= beat_every_s:

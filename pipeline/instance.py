@@ -191,7 +191,7 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
     """Run until SIGINT/SIGTERM; a restart with the same name resumes from the checkpoint."""
     from py4j.protocol import Py4JError
 
-    from pipeline.control import ControlLog, InstanceFollower, wait_for
+    from pipeline.control import FENCED_EXIT_STATUS, ControlLog, InstanceFollower, wait_for
     from pipeline.sink import Fenced
     from pipeline.topics import check_reachable, ensure_topics
 
@@ -235,7 +235,7 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
     signal.signal(signal.SIGINT, _stop)
     print(f"{name}: running (incarnation {follower.incarnation}), checkpoint {home}", flush=True)
     try:
-        while not stopping.is_set() and query.isActive:
+        while not stopping.is_set() and query.isActive and not follower.evicted.is_set():
             follower.serving = follower.serving or query.lastProgress is not None
             progress.observe(int(time.time() * 1000), sink.completed, query.status["isTriggerActive"])
             follower.progress = progress.fields()
@@ -251,6 +251,9 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
         reason = "fenced: another instance owns its pids now" if fenced else f"query failed: {error}"
         print(f"{name}: {reason}", file=sys.stderr, flush=True)
         spark.stop()
-        sys.exit(3 if fenced else 1)
+        sys.exit(FENCED_EXIT_STATUS if fenced else 1)
     query.stop()
     spark.stop()
+    if follower.evicted.is_set():
+        print(f"{name}: evicted while it ran (declared dead); its pids live elsewhere now", file=sys.stderr)
+        sys.exit(FENCED_EXIT_STATUS)

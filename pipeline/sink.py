@@ -81,9 +81,12 @@ TRANSACTION_TIMEOUT_S = 15.0
 """The broker aborts a transaction open for longer. A killed instance's open transaction holds back
 read_committed readers of every topic it wrote to (the control log among them) until then: keep it
 short. A batch's transaction spans producing its output, not computing it."""
-FENCED_ERRORS = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
+FENCED_ERRORS = frozenset(
+    {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError._FATAL}
+)
 """What the producer answers once another took its `transactional.id` or the broker aborted its
-transaction for lasting too long: no later call of it can succeed."""
+transaction for lasting too long: no later call of it can succeed. `_FATAL` is what every call answers
+after the first of those, raised in librdkafka's own thread (a frozen process wakes to it)."""
 LAG_TIMEOUT_S = 5.0  # how long a batch waits for the input's end offsets, a metrics figure
 SNAPSHOT_CHUNK_BYTES = 900_000  # keeps each exported-window message under Kafka's 1 MB default
 

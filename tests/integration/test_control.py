@@ -208,6 +208,35 @@ def test_the_follower_never_writes_an_older_epoch_than_its_file(
         log.close()
 
 
+def test_a_follower_whose_incarnation_is_evicted_stops_its_instance(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """An instance frozen past the heartbeat timeout wakes evicted: its pids were recovered elsewhere. It
+    must stop even when no batch of its would meet the sink's fence (it holds no pid, its query is
+    idle). A "name@?" listed before this incarnation began is about an earlier one; listed later, it is
+    about this one (a controller that never heard it declared it dead)."""
+    cfg = _pipeline(topic_prefix, kafka_bootstrap)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    owners = {0: "i-1", 1: "i-1"}
+    _publish_all(producer, cfg.control_topic, AssignmentMsg(epoch=0, owners=owners, evicted=("i-0@?",)))
+    log = ControlLog(kafka_bootstrap, cfg.control_topic)
+    follower = InstanceFollower(cfg, kafka_bootstrap, "i-0", "inc-1", tmp_path / "assignment.json", log)
+    try:
+        follower.sync()
+        assert not follower.evicted.is_set(), "an eviction of an earlier incarnation"
+        _publish_all(producer, cfg.control_topic, AssignmentMsg(epoch=1, owners=owners))
+        follower.sync()
+        assert not follower.evicted.is_set()
+        _publish_all(
+            producer, cfg.control_topic, AssignmentMsg(epoch=2, owners=owners, evicted=("i-0@inc-1",))
+        )
+        follower.sync()
+        assert follower.evicted.is_set(), "its own incarnation evicted"
+    finally:
+        follower.stop()
+        log.close()
+
+
 MOVE = MoveSpec(move_id="m-7", pid=1, source="i-1", target="i-0", mode=Mode.REPLAY)
 
 

@@ -1,8 +1,10 @@
 """Live pid moves on a real broker with real Spark instances, checked by the oracle.
 
 At least 20 random moves in the three handoff modes under continuous input, a kill -9 of the controller in the
-middle of a move and of an instance (its pids are recovered by replay; it restarts empty): the results
-topic must still hold exactly the oracle's join. And three rare cases on purpose: the sender of a
+middle of a move and of an instance (its pids are recovered by replay; it restarts empty), an instance
+frozen past the heartbeat timeout and let go (a zombie), a second controller started beside the first,
+and the control log truncated below its newest snapshot: the results topic must still hold exactly the
+oracle's join. And three rare cases on purpose: the sender of a
 parallel track killed while it still holds old tuples, the sender of a replay killed before the batch
 that releases the pid committed, and a pid moved back to the old side of its track before that side saw
 the track end.
@@ -31,12 +33,23 @@ from pipeline.sink import read_logged_offsets
 INSTANCES = ["instance-0", "instance-1", "instance-2"]
 
 
-def test_random_moves_and_kills_stay_exact(kafka_bootstrap: str, topic_prefix: str, tmp_path: Path) -> None:
-    plan = SoakPlan(moves=20, pids_per_round=3, kill_controller_every=3, kill_instance_every=4)
+def test_random_moves_kills_zombies_two_controllers_and_a_truncated_log_stay_exact(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    plan = SoakPlan(
+        moves=20,
+        pids_per_round=3,
+        kill_controller_every=3,
+        kill_instance_every=4,
+        freeze_instance_every=5,
+        second_controller_every=2,
+        truncate_control_every=3,
+    )
     cfg = soak_config(load_config(), topic_prefix, seconds=600)
     report, done = run_soak(cfg, kafka_bootstrap, tmp_path, plan)
     assert done["moves"] >= 20
     assert done["controller_kills"] >= 2 and done["instance_kills"] >= 1
+    assert done["zombies"] >= 1 and done["second_controllers"] >= 1 and done["control_truncations"] >= 2
     assert report.expected > 10_000, "the workload must produce a meaningful number of results"
     assert (report.missing, report.duplicate, report.spurious) == (0, 0, 0), report.describe()
 
