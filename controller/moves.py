@@ -64,6 +64,8 @@ class Liveness:
     dead: frozenset[str]
     # The last incarnation heard from each instance, live or dead (eviction names it).
     incarnations: Mapping[str, str] = field(default_factory=dict)
+    # The newest epoch each instance's control follower had read at its last heartbeat.
+    epochs: Mapping[str, int] = field(default_factory=dict)
 
 
 Markers = Mapping[str, Mapping[int, Mapping[str, int]]]
@@ -136,11 +138,11 @@ def plan_step(
     # Instances that return after eviction (a new incarnation) are members again, with no pids, once
     # their evicted incarnation holds nothing (until then, its pids are recovered below).
     for entry in list(evicted):
-        name, _, incarnation = entry.partition("@")
-        held = _holders(owners, moving, tracks)
-        if name in liveness.live and liveness.live[name] != incarnation and name not in held:
+        if _rejoined(entry, liveness, a.epoch) and entry.partition("@")[0] not in _holders(
+            owners, moving, tracks
+        ):
             evicted.remove(entry)
-            said.append(f"{name} rejoined as a new, empty instance")
+            said.append(f"{entry.partition('@')[0]} rejoined as a new, empty instance")
 
     # The dead not yet evicted, with pids or without (on return it must start empty either way), and the
     # evicted that still hold pids: whether they still run, rejoined empty or died, nobody reads those.
@@ -233,6 +235,18 @@ def to_recover(a: AssignmentMsg, liveness: Liveness) -> list[str]:
     listed = {e.partition("@")[0] for e in a.evicted}
     held = _holders(a.owners, a.moving, a.tracks)
     return sorted({i for i in liveness.dead if i not in listed} | (listed & held))
+
+
+def _rejoined(entry: str, liveness: Liveness, epoch: int) -> bool:
+    """Whether the instance evicted as `entry` ("name@incarnation") runs again under a new incarnation.
+    "name@?" (evicted unheard) names no incarnation: the one heard must have read an assignment that
+    lists the eviction (`epoch`, the newest, does), since one that ran before it stops on reading it
+    without another heartbeat, and one that starts after it begins empty."""
+    name, _, incarnation = entry.partition("@")
+    heard = liveness.live.get(name)
+    if heard is None or heard == incarnation:
+        return False
+    return incarnation != "?" or liveness.epochs.get(name, -1) >= epoch
 
 
 def _holders(
@@ -397,6 +411,7 @@ class Observer:
         self.stalled_s: dict[str, float] = {}
         self.started = clock()
         self.seen: dict[str, tuple[float, str]] = {}  # instance -> (last heartbeat, incarnation)
+        self.epochs: dict[str, int] = {}  # instance -> the newest epoch it had read at its last heartbeat
         # Instances the assignment names: one never heard from is dead once the start grace is over.
         self.expected: set[str] = set()
         self.serving: set[str] = set()  # instances whose last heartbeat says their query has run a batch
@@ -429,6 +444,7 @@ class Observer:
             age_s = max(0.0, (now_ms - record.get("time_ms", now_ms)) / 1000)
             if record.get("kind") == "heartbeat":
                 self.seen[record["instance"]] = (self.clock() - age_s, record["incarnation"])
+                self.epochs[record["instance"]] = record.get("epoch", -1)
                 # An instance of a version before decision 0043 says nothing: it counts as serving.
                 if record.get("serving", True):
                     self.serving.add(record["instance"])
@@ -471,7 +487,7 @@ class Observer:
         grace_over = now - self.started > self.timeout_s
         heard_of = self.expected | self.seen.keys()
         dead = frozenset(i for i in heard_of if i not in live) if grace_over else frozenset()
-        return Liveness(live, dead, {i: inc for i, (_, inc) in self.seen.items()})
+        return Liveness(live, dead, {i: inc for i, (_, inc) in self.seen.items()}, dict(self.epochs))
 
     def close(self) -> None:
         self._consumer.close()

@@ -217,6 +217,7 @@ def run_soak(
                 kept = truncate_control_log(cfg, bootstrap)
                 done["control_truncations"] += 1
                 say(f"soak: control log truncated below offset {kept} (its newest snapshot)")
+        done["controllers_fenced"] = _retire(pipeline, watch.superseded)
         say("soak: moves done; ending the input, waiting for the pipeline to drain")
         pipeline.end_input()
         wait_drained(pipeline, timeout_s=600)
@@ -225,6 +226,18 @@ def run_soak(
         pipeline.stop()
     say("soak: verifying against the oracle")
     return verify_pipeline(pipeline.cfg, bootstrap), done
+
+
+def _retire(pipeline: LocalPipeline, superseded: set[str]) -> int:
+    """Stop the controllers a newer one superseded; how many had already stopped as fenced (the others
+    have not tried to publish since: they would be fenced at their next publication)."""
+    fenced = 0
+    for name in sorted(superseded):
+        proc = pipeline.procs.get(name)
+        fenced += proc is not None and proc.poll() == FENCED_EXIT_STATUS
+        pipeline.kill(name, signal.SIGTERM)
+    superseded.clear()
+    return fenced
 
 
 def truncate_control_log(cfg: Config, bootstrap: str) -> int:

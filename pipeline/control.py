@@ -268,6 +268,7 @@ class InstanceFollower:
             "instance": self.instance,
             "incarnation": self.incarnation,
             "serving": self.serving,
+            "epoch": read.epoch if (read := self.log.view.assignment) is not None else -1,
             **self.progress,
             "time_ms": int(time.time() * 1000),
         }
@@ -282,6 +283,8 @@ class InstanceFollower:
         while not self._stop.is_set() and not self.evicted.is_set():
             try:
                 self.sync()
+                if self.evicted.is_set():
+                    break  # not one more heartbeat: the controller would take it for a rejoin
                 if time.monotonic() - last_beat >= beat_every_s:
                     self.heartbeat()
                     last_beat = time.monotonic()
