@@ -36,6 +36,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,17 @@ def _released_stream_max(
     """The `stream_max` the operator's `released` row reports for `pid` (a release or an overlap's start)."""
     closing = (kind == KIND_RELEASED) & (columns["pid"] == pid)
     return tuple(int(t) for t in _stream_max_columns(columns, closing, streams)[0])
+
+
+@dataclass(frozen=True, slots=True)
+class BeforeCommit:
+    """What a batch's metrics need that is worked out before its transaction begins: decoding every
+    results message and asking the broker for the input's end offsets would lengthen a transaction
+    the broker aborts after `TRANSACTION_TIMEOUT_S`."""
+
+    result_times_ms: np.ndarray  # each result's newest event time
+    result_pids: np.ndarray  # each result's pid
+    lag: dict[str, int]
 
 
 class Fenced(RuntimeError):
@@ -291,9 +303,11 @@ class ExactlyOnceSink:
         offsets = read_logged_offsets(self.checkpoint, batch_id)
         columns = {name: table.column(name).to_numpy() for name in table.column_names}
         kind = columns.get("kind", np.empty(0, dtype=np.int8))
+        # Before the transaction begins: the broker bounds its length, and neither needs it.
+        ready = BeforeCommit(*self._result_times(columns, kind), lag=self._lag(offsets["offsets"]))
 
         try:
-            metrics, results = self._attempts(batch_id, offsets, columns, kind, started)
+            metrics, results = self._attempts(batch_id, offsets, columns, kind, started, ready)
         except KafkaException as exc:
             if exc.args[0].code() not in FENCED_ERRORS:
                 raise
@@ -311,11 +325,12 @@ class ExactlyOnceSink:
         columns: dict[str, np.ndarray],
         kind: np.ndarray,
         started: float,
+        ready: BeforeCommit,
     ) -> tuple[dict[str, Any], int]:
         """`_write`, again in a new transaction while the broker aborts it (decision 0048)."""
         for attempt in range(1, TRANSACTION_ATTEMPTS):
             try:
-                return self._write(batch_id, offsets, columns, kind, started)
+                return self._write(batch_id, offsets, columns, kind, started, ready)
             except KafkaException as exc:
                 error = exc.args[0]
                 if not error.txn_requires_abort():
@@ -323,7 +338,7 @@ class ExactlyOnceSink:
                 print(f"{self.instance}: batch {batch_id} not committed ({error.str()}); again", flush=True)
                 self._retrying(self.producer.abort_transaction)
                 time.sleep(min(30.0, 2.0**attempt))
-        return self._write(batch_id, offsets, columns, kind, started)
+        return self._write(batch_id, offsets, columns, kind, started, ready)
 
     def _taken_over(self, batch_id: int, error: KafkaError) -> RuntimeError:
         """Why the producer reads as fenced. The broker answers alike when another producer initialised
@@ -345,6 +360,7 @@ class ExactlyOnceSink:
         columns: dict[str, np.ndarray],
         kind: np.ndarray,
         started: float,
+        ready: BeforeCommit,
     ) -> tuple[dict[str, Any], int]:
         """One transaction with the batch's whole output, its commit marker and its metrics; returns
         the metrics and the number of results."""
@@ -363,7 +379,7 @@ class ExactlyOnceSink:
             "time_ms": int(time.time() * 1000),
         }
         self.producer.produce(self.cfg.sink_commits_topic, key=self.instance, value=json.dumps(marker))
-        metrics = self._metrics(batch_id, offsets, columns, kind, started, results, late, malformed)
+        metrics = self._metrics(batch_id, offsets, columns, kind, started, results, late, malformed, ready)
         self.producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(metrics))
         evicted_in = self._evicted_in(offsets)
         if evicted_in is not None:
@@ -510,15 +526,14 @@ class ExactlyOnceSink:
         results: int,
         late: int,
         malformed: int,
+        ready: BeforeCommit,
     ) -> dict[str, Any]:
         """Per-batch metrics, written in the batch's transaction (latency measured just before commit)."""
         now = time.time()
         latency, by_pid = np.empty(0), {}
         if results:
-            rows = kind == KIND_RESULT
-            times = [decode_results(payload).max_event_times for payload in columns["payload"][rows]]
-            latency = now - np.concatenate(times) / 1000.0
-            by_pid = _by_pid(np.repeat(columns["pid"][rows], columns["key"][rows]), latency)
+            latency = now - ready.result_times_ms / 1000.0
+            by_pid = _by_pid(ready.result_pids, latency)
         stats = kind == KIND_STATS
         ended = time.monotonic()
         busy = (ended - started) / max(ended - self.last_end, 1e-3)
@@ -558,8 +573,17 @@ class ExactlyOnceSink:
                     strict=True,
                 )
             },
-            "lag": self._lag(offsets["offsets"]),
+            "lag": ready.lag,
         }
+
+    @staticmethod
+    def _result_times(columns: dict[str, np.ndarray], kind: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each result's newest event time (ms) and its pid, decoded from the results messages."""
+        rows = kind == KIND_RESULT
+        if not rows.any():
+            return np.empty(0), np.empty(0, dtype=np.int64)
+        times = [decode_results(payload).max_event_times for payload in columns["payload"][rows]]
+        return np.concatenate(times).astype(np.float64), np.repeat(columns["pid"][rows], columns["key"][rows])
 
     def _produce_results(self, columns: dict[str, np.ndarray], mask: np.ndarray) -> int:
         """Each `result` row's payload is a results message already (`operator.RESULTS_PER_MESSAGE`)."""

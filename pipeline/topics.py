@@ -317,10 +317,12 @@ def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float =
             time.sleep(0.2)
 
 
-# Errors a partition answers with while its new leader loads it, or while a broker that went silent
-# comes back with a newer leader epoch than the client's metadata: retried until the deadline.
+# Errors a partition answers with while its new leader loads it, while a broker that went silent
+# comes back with a newer leader epoch than the client's metadata, or while the client knows no leader
+# at all (`_NOENT`, "No leaders found": the broker is away): retried until the deadline.
 _LEADER_NOT_READY = frozenset(
     {
+        KafkaError._NOENT,
         KafkaError.NOT_LEADER_FOR_PARTITION,
         KafkaError.LEADER_NOT_AVAILABLE,
         KafkaError.UNKNOWN_TOPIC_OR_PART,
