@@ -137,12 +137,12 @@ def plan_step(
 
     # Instances that return after eviction (a new incarnation) are members again, with no pids, once
     # their evicted incarnation holds nothing (until then, its pids are recovered below).
+    held = _holders(owners, moving, tracks)
     for entry in list(evicted):
-        if _rejoined(entry, liveness, a.epoch) and entry.partition("@")[0] not in _holders(
-            owners, moving, tracks
-        ):
+        name = entry.partition("@")[0]
+        if _rejoined(entry, liveness, a.epoch) and name not in held:
             evicted.remove(entry)
-            said.append(f"{entry.partition('@')[0]} rejoined as a new, empty instance")
+            said.append(f"{name} rejoined as a new, empty instance")
 
     # The dead not yet evicted, with pids or without (on return it must start empty either way), and the
     # evicted that still hold pids: whether they still run, rejoined empty or died, nobody reads those.

@@ -307,7 +307,9 @@ class ExactlyOnceSink:
         ready = BeforeCommit(*self._result_times(columns, kind), lag=self._lag(offsets["offsets"]))
 
         try:
-            metrics, results = self._attempts(batch_id, offsets, columns, kind, started, ready)
+            metrics, results = self._attempts(
+                batch_id, lambda: self._write(batch_id, offsets, columns, kind, started, ready)
+            )
         except KafkaException as exc:
             if exc.args[0].code() not in FENCED_ERRORS:
                 raise
@@ -319,18 +321,13 @@ class ExactlyOnceSink:
             write_results_per_tuple(self.results_per_tuple_path, max(self._results_per_tuple))
 
     def _attempts(
-        self,
-        batch_id: int,
-        offsets: dict[str, Any],
-        columns: dict[str, np.ndarray],
-        kind: np.ndarray,
-        started: float,
-        ready: BeforeCommit,
+        self, batch_id: int, write: Callable[[], tuple[dict[str, Any], int]]
     ) -> tuple[dict[str, Any], int]:
-        """`_write`, again in a new transaction while the broker aborts it (decision 0048)."""
+        """`write` (the batch's `_write`), again in a new transaction while the broker aborts it
+        (decision 0048)."""
         for attempt in range(1, TRANSACTION_ATTEMPTS):
             try:
-                return self._write(batch_id, offsets, columns, kind, started, ready)
+                return write()
             except KafkaException as exc:
                 error = exc.args[0]
                 if not error.txn_requires_abort():
@@ -338,7 +335,7 @@ class ExactlyOnceSink:
                 print(f"{self.instance}: batch {batch_id} not committed ({error.str()}); again", flush=True)
                 self._retrying(self.producer.abort_transaction)
                 time.sleep(min(30.0, 2.0**attempt))
-        return self._write(batch_id, offsets, columns, kind, started, ready)
+        return write()
 
     def _taken_over(self, batch_id: int, error: KafkaError) -> RuntimeError:
         """Why the producer reads as fenced. The broker answers alike when another producer initialised
