@@ -192,6 +192,7 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
     from py4j.protocol import Py4JError
 
     from pipeline.control import FENCED_EXIT_STATUS, ControlLog, InstanceFollower, wait_for
+    from pipeline.protocol import eviction_entries
     from pipeline.sink import Fenced
     from pipeline.topics import check_reachable, ensure_topics
 
@@ -202,8 +203,7 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
     log = ControlLog(bootstrap, cfg.control_topic)
     newest = log.catch_up().assignment
     known = (home / "incarnation").read_text().strip() if (home / "incarnation").exists() else None
-    # "name@?": evicted by a controller that never heard from it (it had not started, or died unseen)
-    if newest is not None and home.exists() and {f"{name}@{known}", f"{name}@?"} & set(newest.evicted):
+    if newest is not None and home.exists() and eviction_entries(name, known) & set(newest.evicted):
         print(f"{name}: declared dead while away; its pids live elsewhere now, rejoining empty", flush=True)
         shutil.rmtree(home)
     follower = InstanceFollower(cfg, bootstrap, name, _incarnation(home), assignment, log)

@@ -144,6 +144,12 @@ class TrackDoneMsg:
         return track_key(self.move_id, self.side)
 
 
+def eviction_entries(instance: str, incarnation: str | None) -> frozenset[str]:
+    """The `evicted` entries that mean this incarnation of `instance`: its own, and "name@?", which a
+    controller that never heard the instance writes (it had not started, or died unseen)."""
+    return frozenset({f"{instance}@{incarnation}", f"{instance}@?"})
+
+
 def track_key(move_id: str, side: str) -> str:
     """How `ControlView.track_done` names one side's end of one parallel track."""
     return f"{move_id}/{side}"

@@ -67,6 +67,7 @@ from pipeline.protocol import (
     SnapshotMsg,
     TrackDoneMsg,
     decode,
+    eviction_entries,
     handoff_from_json,
 )
 from pipeline.source import TRACK_OLD, write_results_per_tuple, write_watermarks
@@ -187,7 +188,7 @@ class Evictions:
     before it commits errs on the safe side: an eviction in a transaction that then aborts stops a live
     instance, which restarts from its checkpoint."""
 
-    def __init__(self, bootstrap: str, topic: str, names: set[str], admin: Any) -> None:
+    def __init__(self, bootstrap: str, topic: str, names: frozenset[str], admin: Any) -> None:
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
@@ -277,7 +278,7 @@ class ExactlyOnceSink:
         self.last_batch = int(marker["batch"]) if marker else -1
         self.completed = -1
         """The newest batch this process completed (committed, or already committed and run again)."""
-        names = {f"{instance}@{incarnation}", f"{instance}@?"}  # "?": never heard
+        names = eviction_entries(instance, incarnation)
         self.evictions = Evictions(bootstrap, cfg.control_topic, names, self.admin)
         self._begun = time.monotonic()  # when the batch's transaction began
         self._delivered: dict[int, int] = {}
