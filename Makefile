@@ -9,6 +9,9 @@
 #                (extra flags: make demo ARGS="--duration 60")
 #   make image   the fluxjoin container image (one image for every role)
 #   make k8s-check  helm lint, and `helm template` validated by a real kube-apiserver (server-side dry run)
+#   make cluster-up / cluster-down   a single-node Kubernetes cluster on this machine (scripts/cluster.sh;
+#                root), idempotent; `export KUBECONFIG=$$(scripts/cluster.sh kubeconfig)` to use it
+#   make e2e     the chart on that cluster as a user runs it: helm install, scale, roll, faults, oracle
 #   make clean   generated files in the work tree (not .venv, not the download cache)
 
 SHELL := /bin/bash
@@ -22,7 +25,7 @@ ARGS ?=
 # import the venv's packages (pyarrow, the pipeline itself).
 SPARK_ENV := PYSPARK_PYTHON=$(CURDIR)/$(BIN)/python PYSPARK_DRIVER_PYTHON=$(CURDIR)/$(BIN)/python
 
-.PHONY: setup lint test demo image k8s-check clean
+.PHONY: setup lint test demo image k8s-check cluster-up cluster-down e2e clean
 
 setup: $(STAMP)
 
@@ -55,6 +58,16 @@ image:
 k8s-check: setup
 	scripts/ensure-k8s-tools.sh
 	$(BIN)/pytest -q tests/k8s -k "lint or template or kustomize"
+
+cluster-up:
+	scripts/ensure-k8s-tools.sh >/dev/null
+	scripts/cluster.sh up
+
+cluster-down:
+	scripts/cluster.sh down
+
+e2e: setup cluster-up
+	$(SPARK_ENV) $(BIN)/pytest -q -s tests/e2e
 
 clean:
 	rm -rf build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis \

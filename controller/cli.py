@@ -20,6 +20,7 @@ import typer
 
 from controller.assignment import HandoffMode
 from pipeline.config import Config, ConfigError, load_config
+from pipeline.health import DEFAULT_METRICS_PORT, STALL_TIMEOUT_S
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.split("\n")[0])
 kafka_app = typer.Typer(no_args_is_help=True, help="Run a local single-node KRaft Apache Kafka broker.")
@@ -131,8 +132,22 @@ def instance(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     bootstrap: BootstrapOpt = None,
+    metrics_port: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=65535,
+            help="Port of /metrics, /healthz and /readyz (0: no server; give each instance on one machine "
+            "its own port, or 0).",
+        ),
+    ] = DEFAULT_METRICS_PORT,
+    stall_timeout: Annotated[
+        float,
+        typer.Option(min=1.0, help="Seconds without query progress (or to start it) before /healthz fails."),
+    ] = STALL_TIMEOUT_S,
 ) -> None:
     """Run one join instance (a Spark Structured Streaming query) until interrupted."""
+    from pipeline.health import MetricsPortError
     from pipeline.instance import parse_pids, run_instance
 
     cfg = _config(config, set_, bootstrap)
@@ -140,9 +155,12 @@ def instance(
         owned = parse_pids(pids, cfg.partitions) if pids is not None else None
     except ValueError as exc:
         fail(str(exc))
+    errors: tuple[type[Exception], ...] = (*_user_errors(), MetricsPortError)
     try:
-        run_instance(cfg, _bootstrap(cfg), name, owned)
-    except _user_errors() as exc:
+        run_instance(
+            cfg, _bootstrap(cfg), name, owned, metrics_port=metrics_port, stall_timeout_s=stall_timeout
+        )
+    except errors as exc:
         fail(str(exc))
 
 

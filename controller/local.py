@@ -87,10 +87,13 @@ class LocalPipeline:
         self.procs[name], self.logs[name] = proc, log
         return proc
 
-    def start_instance(self, name: str, pids: range | list[int] | None = None) -> None:
-        """Start `name` on static `pids`, or (None) on what the controller assigns it."""
+    def start_instance(self, name: str, pids: range | list[int] | None = None, metrics_port: int = 0) -> None:
+        """Start `name` on static `pids`, or (None) on what the controller assigns it. The instances of one
+        machine cannot share a metrics port: without one of its own (`metrics_port`), an instance serves
+        no /metrics, /healthz or /readyz."""
         static = ["--pids", pid_spec(pids)] if pids is not None else []
-        self._spawn(name, ["instance", "--name", name, *static], self.cfg.instance.cpu_limit)
+        args = ["instance", "--name", name, *static, "--metrics-port", str(metrics_port)]
+        self._spawn(name, args, self.cfg.instance.cpu_limit)
 
     def start_generator(self) -> None:
         self._spawn("generator", ["generate"])

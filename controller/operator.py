@@ -1,11 +1,12 @@
 """The JoinPipeline operator: reconciles every pipeline in one namespace, one leader at a time.
 
-For each JoinPipeline it owns an instance StatefulSet (a checkpoint volume per pod) and its headless
-Service, and it keeps the number of instances at spec.replicas without ever leaving a pid without an
-owner: on scale-out it grows the StatefulSet first and moves pids onto the new instances once they report
-ready; on scale-in it moves every pid off the highest ordinals first and shrinks the StatefulSet only
-when they own nothing. What to do next is decided by the pure `controller.scaling.plan_step` and the
-objects are rendered by the pure `controller.workload`; this module observes, acts and records.
+For each JoinPipeline it owns an instance StatefulSet (a checkpoint volume per pod), the ConfigMap its
+pods read their configuration from, its headless Service and a PodDisruptionBudget, and it keeps the
+number of instances at spec.replicas without ever leaving a pid without an owner: on scale-out it grows
+the StatefulSet first and moves pids onto the new instances once they report ready; on scale-in it moves
+every pid off the highest ordinals first and shrinks the StatefulSet only when they own nothing. What to
+do next is decided by the pure `controller.scaling.plan_step` and the objects are rendered by the pure
+`controller.workload`; this module observes, acts and records.
 
 The reconcile loop is level-triggered: `reconcile_once` reads the pipelines, the owned objects and the
 mover's state, computes one plan per pipeline, carries it out, and writes status only when it differs, so
@@ -50,7 +51,9 @@ from controller.workload import (
     Observed,
     PipelineSpec,
     checkpoint_claim_ordinal,
+    config_map,
     failure_status,
+    pod_disruption_budget,
     render_status,
     selector_string,
     service,
@@ -60,6 +63,10 @@ from controller.workload import (
 log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+OWNED_KINDS = ("StatefulSet", "Service", "ConfigMap", "PodDisruptionBudget")
+"""What the operator creates per pipeline, each named after it and owned by it (ownerReferences), so the
+garbage collector deletes them with the pipeline; the StatefulSet's checkpoint volumes go with it
+(`persistentVolumeClaimRetentionPolicy.whenDeleted: Delete`)."""
 
 
 class PidMover(Protocol):
@@ -354,6 +361,7 @@ class Operator:
         self._custom = kubernetes.client.CustomObjectsApi(api_client)
         self._apps = kubernetes.client.AppsV1Api(api_client)
         self._core = kubernetes.client.CoreV1Api(api_client)
+        self._policy = kubernetes.client.PolicyV1Api(api_client)
         self._make_mover = movers
         self._settings = settings
         self._elector = elector
@@ -493,13 +501,13 @@ class Operator:
         meta = obj["metadata"]
         if meta.get("deletionTimestamp"):
             if FINALIZER in meta.get("finalizers", []):
-                self._finalize(obj)
+                self._let_go(obj)
             return
-        if FINALIZER not in meta.get("finalizers", []):
-            self._set_finalizers(obj, [*meta.get("finalizers", []), FINALIZER])
         spec = PipelineSpec.from_object(obj)
         mover = self._mover(spec)
-        self._apply(self._read("Service", spec.name), service(spec, self._settings))
+        # Before the StatefulSet: its pods mount the ConfigMap, and a pod started without it waits.
+        for desired in (config_map(spec), service(spec, self._settings), pod_disruption_budget(spec)):
+            self._apply(self._read(desired["kind"], spec.name), desired)
 
         mover.step()
         self._report_finished_moves(obj, mover.finished())
@@ -611,17 +619,9 @@ class Operator:
 
     # --- cleanup ---
 
-    def _finalize(self, obj: dict[str, Any]) -> None:
-        """Delete what the pipeline owns (there may be no garbage collector to do it), then let it go."""
-        name = obj["metadata"]["name"]
-        deleted = []
-        for kind in ("StatefulSet", "Service"):
-            if self._delete(kind, name):
-                deleted.append(f"{kind} {name}")
-        claims = self._delete_claims(obj, name, keep_below=0)
-        if claims:
-            deleted.append(f"{claims} checkpoint volumes")
-        self._event(obj, "Finalized", "deleted " + (", ".join(deleted) if deleted else "nothing (none left)"))
+    def _let_go(self, obj: dict[str, Any]) -> None:
+        """Remove the finalizer earlier operators added to each pipeline; the garbage collector deletes
+        what the pipeline owns (a finalizer held `helm uninstall` when the operator went first)."""
         uid = obj["metadata"]["uid"]
         self._drop_movers(lambda key: key[0] == uid)
         self._set_finalizers(obj, [f for f in obj["metadata"].get("finalizers", []) if f != FINALIZER])
@@ -653,12 +653,24 @@ class Operator:
 
     # --- Kubernetes reads and writes ---
 
+    def _calls(self, kind: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The read and patch calls of an owned kind (`OWNED_KINDS`)."""
+        apps, core, policy = self._apps, self._core, self._policy
+        calls: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+            "StatefulSet": (apps.read_namespaced_stateful_set, apps.patch_namespaced_stateful_set),
+            "Service": (core.read_namespaced_service, core.patch_namespaced_service),
+            "ConfigMap": (core.read_namespaced_config_map, core.patch_namespaced_config_map),
+            "PodDisruptionBudget": (
+                policy.read_namespaced_pod_disruption_budget,
+                policy.patch_namespaced_pod_disruption_budget,
+            ),
+        }
+        return calls[kind]
+
     def _read(self, kind: str, name: str) -> dict[str, Any] | None:
+        read, _ = self._calls(kind)
         try:
-            if kind == "StatefulSet":
-                found: Any = self._apps.read_namespaced_stateful_set(name, self.namespace)
-            else:
-                found = self._core.read_namespaced_service(name, self.namespace)
+            found = read(name, self.namespace)
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -673,31 +685,14 @@ class Operator:
                 annotations.get(SPEC_HASH_ANNOTATION)
                 == desired["metadata"]["annotations"][SPEC_HASH_ANNOTATION]
             )
-            if same_hash and current["spec"].get("replicas") == desired["spec"].get("replicas"):
+            replicas = (current.get("spec") or {}).get("replicas")
+            if same_hash and replicas == (desired.get("spec") or {}).get("replicas"):
                 return False
-        name = desired["metadata"]["name"]
-        options: dict[str, Any] = {
-            "field_manager": FIELD_MANAGER,
-            "force": True,
-            "_content_type": "application/apply-patch+yaml",
-        }
-        if desired["kind"] == "StatefulSet":
-            self._apps.patch_namespaced_stateful_set(name, self.namespace, desired, **options)
-        else:
-            self._core.patch_namespaced_service(name, self.namespace, desired, **options)
-        return True
-
-    def _delete(self, kind: str, name: str) -> bool:
-        options = kubernetes.client.V1DeleteOptions(propagation_policy="Background")
-        try:
-            if kind == "StatefulSet":
-                self._apps.delete_namespaced_stateful_set(name, self.namespace, body=options)
-            else:
-                self._core.delete_namespaced_service(name, self.namespace, body=options)
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
+        _, patch = self._calls(desired["kind"])
+        patch(
+            desired["metadata"]["name"], self.namespace, desired,
+            field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
+        )  # fmt: skip
         return True
 
     def _set_finalizers(self, obj: dict[str, Any], finalizers: list[str]) -> None:

@@ -7,7 +7,9 @@ them, and so that re-rendering from unchanged inputs gives an identical object (
 Owned objects, all named after the pipeline and labelled with `fluxjoin.io/pipeline`:
 - a StatefulSet of join instances (pod `<name>-<ordinal>` is instance `<name>-<ordinal>`), each with a
   PersistentVolumeClaim `checkpoint-<name>-<ordinal>` for its Spark checkpoint;
-- a headless Service giving the instance pods stable DNS names.
+- a ConfigMap holding the instances' configuration file, mounted into every instance pod;
+- a headless Service giving the instance pods stable DNS names;
+- a PodDisruptionBudget letting a voluntary disruption (a node drain) take one instance pod at a time.
 
 This module must not call the API server or the `PidMover`; it knows the CRD's field names and nothing
 about how a move is carried out.
@@ -21,11 +23,14 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 from controller.assignment import Assignment, HandoffMode, Move
 from controller.policies.base import InstanceStats
 from controller.rounds import policy_params
 from controller.scaling import Plan, StepKind, instance_name, ordinal_of
 from pipeline.config import Config, InstanceConfig
+from pipeline.health import DEFAULT_METRICS_PORT
 
 GROUP, VERSION, PLURAL, KIND = "fluxjoin.io", "v1alpha1", "joinpipelines", "JoinPipeline"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -33,8 +38,16 @@ FINALIZER = "fluxjoin.io/cleanup"
 FIELD_MANAGER = "fluxjoin-operator"
 PIPELINE_LABEL = "fluxjoin.io/pipeline"
 SPEC_HASH_ANNOTATION = "fluxjoin.io/spec-hash"
+CONFIG_HASH_ANNOTATION = "fluxjoin.io/config-hash"
 CHECKPOINT_VOLUME = "checkpoint"
 WORK_DIR = "/var/lib/fluxjoin/work"
+CONFIG_VOLUME = "config"
+CONFIG_DIR = "/etc/fluxjoin"
+CONFIG_FILE = "instance.yaml"
+STARTUP_ALLOWANCE_S = 600
+"""How long an instance pod may take from its start until its query serves (/readyz) before the kubelet
+restarts it: a JVM, a Spark session and a first batch, 20-60 s on a core, several minutes under a CPU
+limit of a fraction of a core. Liveness is checked only from then on."""
 POLICY_FIELDS = {
     "flux": {
         "thImb": "th_imb",
@@ -158,7 +171,7 @@ class InstanceSettings:
     image: str | None = None
     pull_policy: str = "IfNotPresent"
     pull_secrets: tuple[str, ...] = ()
-    metrics_port: int = 9108
+    metrics_port: int = DEFAULT_METRICS_PORT
     scrape_annotations: bool = True
 
 
@@ -196,14 +209,19 @@ def owner_reference(spec: PipelineSpec) -> dict[str, Any]:
     }
 
 
+def _digest(value: object) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def _with_hash(manifest: dict[str, Any]) -> dict[str, Any]:
-    """Stamp the manifest with a hash of everything but spec.replicas, so a changed template is seen
-    by comparing one annotation, and a scale step alone by comparing replicas."""
-    spec = {k: v for k, v in manifest["spec"].items() if k != "replicas"}
-    digest = hashlib.sha256(json.dumps([manifest["metadata"], spec], sort_keys=True).encode()).hexdigest()[
-        :16
-    ]
-    manifest["metadata"].setdefault("annotations", {})[SPEC_HASH_ANNOTATION] = digest
+    """Stamp the manifest with a hash of everything but spec.replicas (a ConfigMap's data included), so a
+    changed object is seen by comparing one annotation, and a scale step alone by comparing replicas."""
+    content = {k: v for k, v in manifest.items() if k not in ("apiVersion", "kind", "metadata", "spec")}
+    if "spec" in manifest:
+        content["spec"] = {k: v for k, v in manifest["spec"].items() if k != "replicas"}
+    manifest["metadata"].setdefault("annotations", {})[SPEC_HASH_ANNOTATION] = _digest(
+        [manifest["metadata"], content]
+    )
     return manifest
 
 
@@ -216,34 +234,97 @@ def _metadata(spec: PipelineSpec) -> dict[str, Any]:
     }
 
 
-def instance_args(spec: PipelineSpec) -> list[str]:
-    """`fluxjoin instance` arguments for every pod of the StatefulSet.
+def instance_config(spec: PipelineSpec) -> dict[str, Any]:
+    """The configuration every instance pod of the pipeline reads from its ConfigMap (`--config`).
+
+    One document in the schema of `pipeline.config` rather than `--set key=value` arguments: an
+    argument's value is read as YAML, so a pipeline named `123` or a stream named `on` reached the
+    instance as a number or a boolean and the pods crash-looped, while the operator, which builds its
+    configuration directly, carried on. A YAML file written by `yaml.safe_dump` quotes such strings.
 
     The pod template is shared by all ordinals and must not change when pids move (a change would restart
-    every instance), so it carries the pipeline's configuration but no pids: an instance learns the pids
-    it owns from the control topic. `instances=1` because each process is one instance; how many run is
-    the StatefulSet's business.
+    every instance), so this carries the pipeline's configuration but no pids: an instance learns the
+    pids it owns from the control topic. `instances=1` because each process is one instance; how many run
+    is the StatefulSet's business. Raises ValueError (pydantic's) when the configuration is invalid, so
+    the pipeline reports it instead of its pods crash-looping.
     """
     cfg = spec.instance
-    settings = {
+    document: dict[str, Any] = {
         "pipeline": spec.topic_prefix,
-        "streams": f"[{','.join(spec.streams)}]",
+        "bootstrap": spec.bootstrap_servers,
+        "streams": list(spec.streams),
         "window_ms": spec.window_ms,
         "allowed_lateness_ms": spec.allowed_lateness_ms,
         "partitions": spec.partitions,
         "instances": 1,
-        "instance.trigger_ms": cfg.trigger_ms,
-        "instance.max_rows_per_batch": cfg.max_rows_per_batch,
-        "instance.max_results_per_batch": cfg.max_results_per_batch,
-        "instance.shuffle_partitions": cfg.shuffle_partitions,
-        "instance.spark_master": cfg.spark_master,
-        "instance.driver_memory": cfg.driver_memory,
-        "instance.work_dir": cfg.work_dir,
+        "instance": {
+            "trigger_ms": cfg.trigger_ms,
+            "max_rows_per_batch": cfg.max_rows_per_batch,
+            "max_results_per_batch": cfg.max_results_per_batch,
+            "shuffle_partitions": cfg.shuffle_partitions,
+            "spark_master": cfg.spark_master,
+            "driver_memory": cfg.driver_memory,
+            "work_dir": cfg.work_dir,
+        },
     }
-    args = ["instance", "--name", "$(FLUXJOIN_POD_NAME)", "--bootstrap", spec.bootstrap_servers]
-    for key, value in settings.items():
-        args += ["--set", f"{key}={value}"]
-    return args
+    Config.model_validate(document)
+    return document
+
+
+def config_map(spec: PipelineSpec) -> dict[str, Any]:
+    """The ConfigMap holding the instances' configuration file (`CONFIG_FILE`)."""
+    text = (
+        f"# fluxjoin instance configuration of JoinPipeline {spec.namespace}/{spec.name}, written by the\n"
+        "# operator from the pipeline's spec: edit the JoinPipeline, not this file.\n"
+    ) + yaml.safe_dump(instance_config(spec), sort_keys=False)
+    return _with_hash(
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(spec), "data": {CONFIG_FILE: text}}
+    )
+
+
+def instance_args(settings: InstanceSettings) -> list[str]:
+    """`fluxjoin instance` arguments for every pod of the StatefulSet: its name, the mounted configuration
+    file and the metrics port the pod's probes and scrape annotations use."""
+    return [
+        "instance",
+        "--name",
+        "$(FLUXJOIN_POD_NAME)",
+        "--config",
+        f"{CONFIG_DIR}/{CONFIG_FILE}",
+        "--metrics-port",
+        str(settings.metrics_port),
+    ]
+
+
+def _probes() -> dict[str, Any]:
+    """Startup, liveness and readiness of an instance container, on its metrics port (`pipeline.health`).
+
+    The startup probe waits for /readyz (the query has run a batch) for up to `STARTUP_ALLOWANCE_S`;
+    until it passes, liveness is not checked. From then on /healthz fails once the query has made no
+    progress for the instance's stall timeout, and three failures 10 s apart restart the container.
+    /readyz gates a rolling update, which replaces the next pod only when this one serves again.
+    """
+    period_s = 5
+    return {
+        "startupProbe": {
+            "httpGet": {"path": "/readyz", "port": "metrics"},
+            "periodSeconds": period_s,
+            "timeoutSeconds": 5,
+            "failureThreshold": STARTUP_ALLOWANCE_S // period_s,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "metrics"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "metrics"},
+            "periodSeconds": period_s,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+    }
 
 
 def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -> dict[str, Any]:
@@ -259,16 +340,19 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
          "prometheus.io/path": "/metrics"}
         if settings.scrape_annotations else {}
     )  # fmt: skip
+    # The file's content changes no argument: its hash in the template rolls the pods when it changes.
+    annotations[CONFIG_HASH_ANNOTATION] = _digest(config_map(spec)["data"])
     container: dict[str, Any] = {
         "name": "instance",
         "image": image,
         "imagePullPolicy": settings.pull_policy,
-        "args": instance_args(spec),
+        "args": instance_args(settings),
         "env": [
             {"name": "FLUXJOIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "FLUXJOIN_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         ],
         "ports": [{"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"}],
+        **_probes(),
         "resources": dict(spec.resources),
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -277,6 +361,7 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
         },
         "volumeMounts": [
             {"name": CHECKPOINT_VOLUME, "mountPath": WORK_DIR},
+            {"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
@@ -291,7 +376,10 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "volumes": [
+            {"name": CONFIG_VOLUME, "configMap": {"name": spec.name}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
     }
     if settings.pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": name} for name in settings.pull_secrets]
@@ -314,10 +402,7 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
                 "selector": {"matchLabels": selector_labels(spec.name)},
                 # A removed instance's checkpoint holds offsets of pids it no longer owns: never reuse it.
                 "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Delete"},
-                "template": {
-                    "metadata": {"labels": labels, **({"annotations": annotations} if annotations else {})},
-                    "spec": pod_spec,
-                },
+                "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec},
                 "volumeClaimTemplates": [
                     {"metadata": {"name": CHECKPOINT_VOLUME, "labels": labels}, "spec": claim_spec}
                 ],
@@ -345,6 +430,28 @@ def service(spec: PipelineSpec, settings: InstanceSettings) -> dict[str, Any]:
                         "protocol": "TCP",
                     }
                 ],
+            },
+        }
+    )
+
+
+def pod_disruption_budget(spec: PipelineSpec) -> dict[str, Any]:
+    """At most one instance pod down at a time by a voluntary disruption (a node drain, an eviction).
+
+    Each instance down pauses its pids until it is back or the controller recovers them elsewhere, and
+    every recovery replays input; one at a time keeps that to the pids of one instance. A pod that is
+    not ready (crash-looping, or still starting) may always be evicted (`AlwaysAllow`): it serves
+    nothing, and would otherwise block the drain.
+    """
+    return _with_hash(
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _metadata(spec),
+            "spec": {
+                "maxUnavailable": 1,
+                "selector": {"matchLabels": selector_labels(spec.name)},
+                "unhealthyPodEvictionPolicy": "AlwaysAllow",
             },
         }
     )

@@ -9,6 +9,9 @@ the work directory is wiped and the instance rejoins empty, under a new incarnat
 
 Pids come from the control topic (`<pipeline>.control`) once a controller has published an assignment;
 `--pids` gives a static assignment for pipelines run without a controller.
+
+With a metrics port, the instance serves /metrics, /healthz and /readyz there (`pipeline.health`) from
+its start, so that a pod's probes see it wait, start and run.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import Config
+from pipeline.health import STALL_TIMEOUT_S, InstanceHealth, InstanceMetrics, Phase, serve
 from pipeline.source import OwnedPids, write_assignment
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pipeline.sink import ExactlyOnceSink
 
 
@@ -123,10 +129,15 @@ def spark_session(cfg: Config, app_name: str, extra_conf: dict[str, str] | None 
 
 
 def start_query(
-    spark: Any, cfg: Config, bootstrap: str, name: str, incarnation: str
+    spark: Any,
+    cfg: Config,
+    bootstrap: str,
+    name: str,
+    incarnation: str,
+    on_commit: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[Any, ExactlyOnceSink]:
     """Build and start the instance's streaming query; the assignment file must exist. Returns the query
-    and its sink."""
+    and its sink; `on_commit` gets each committed batch's metrics record, from the first batch on."""
     from pipeline.operator import STATE_SCHEMA, make_join_function, output_schema
     from pipeline.sink import ExactlyOnceSink
     from pipeline.source import FluxjoinSource
@@ -166,7 +177,7 @@ def start_query(
         timeoutConf="NoTimeout",
     )
     sink = ExactlyOnceSink(
-        cfg, bootstrap, name, incarnation, checkpoint.resolve(), watermarks, results_per_tuple
+        cfg, bootstrap, name, incarnation, checkpoint.resolve(), watermarks, results_per_tuple, on_commit
     )
     query = (
         joined.writeStream.queryName(name.replace("-", "_"))
@@ -187,8 +198,43 @@ def _incarnation(home: Path) -> str:
     return path.read_text().strip()
 
 
-def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | None) -> None:
-    """Run until SIGINT/SIGTERM; a restart with the same name resumes from the checkpoint."""
+def run_instance(
+    cfg: Config,
+    bootstrap: str,
+    name: str,
+    pids: frozenset[int] | None,
+    *,
+    metrics_port: int = 0,
+    stall_timeout_s: float = STALL_TIMEOUT_S,
+) -> None:
+    """Run until SIGINT/SIGTERM; a restart with the same name resumes from the checkpoint.
+
+    With a `metrics_port` (0: none), /metrics, /healthz and /readyz are served there from the start,
+    before the broker is checked, so a probe never meets a closed port while the instance is alive; a
+    taken port raises `pipeline.health.MetricsPortError` before anything else happens. /healthz fails
+    once the query has made no progress for `stall_timeout_s`.
+    """
+    home = instance_dir(cfg, name)
+    health = InstanceHealth(stall_timeout_s)
+    metrics = InstanceMetrics(cfg.pipeline, name, health, home / "assignment.json")
+    server = serve(health, metrics, metrics_port) if metrics_port else None
+    try:
+        _run(cfg, bootstrap, name, pids, health, metrics)
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+def _run(
+    cfg: Config,
+    bootstrap: str,
+    name: str,
+    pids: frozenset[int] | None,
+    health: InstanceHealth,
+    metrics: InstanceMetrics,
+) -> None:
+    """`run_instance`'s work, reporting each phase and the query's progress to `health`."""
     from py4j.protocol import Py4JError
 
     from pipeline.control import FENCED_EXIT_STATUS, ControlLog, InstanceFollower, wait_for
@@ -207,6 +253,7 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
         print(f"{name}: declared dead while away; its pids live elsewhere now, rejoining empty", flush=True)
         shutil.rmtree(home)
     follower = InstanceFollower(cfg, bootstrap, name, _incarnation(home), assignment, log)
+    metrics.incarnation = follower.incarnation
     progress = QueryProgress(progress_ms=int(time.time() * 1000))
     follower.progress = progress.fields()
     if newest is None and pids is not None and not assignment.exists():
@@ -215,6 +262,7 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
     if not assignment.exists():
         print(f"{name}: waiting for an assignment on {cfg.control_topic}", flush=True)
         wait_for(assignment.exists, timeout_s=3600, what="an assignment from the controller")
+    health.enter(Phase.STARTING)
     spark = spark_session(cfg, f"fluxjoin-{name}")
     spark.sparkContext.setLogLevel("WARN")
     if cfg.instance.trigger_ms > cfg.instance.poll_ms:
@@ -225,22 +273,25 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
             "org.apache.spark.sql.execution.streaming.runtime.ProcessingTimeExecutor",
             jvm.org.apache.logging.log4j.Level.ERROR,
         )
-    query, sink = start_query(spark, cfg, bootstrap, name, follower.incarnation)
+    query, sink = start_query(spark, cfg, bootstrap, name, follower.incarnation, metrics.observe_batch)
     stopping = threading.Event()
 
     def _stop(signum: int, frame: Any) -> None:
-        stopping.set()
+        stopping.set()  # only this: the handler runs in the main loop's thread, maybe inside `health`
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    health.enter(Phase.RUNNING)
     print(f"{name}: running (incarnation {follower.incarnation}), checkpoint {home}", flush=True)
     try:
         while not stopping.is_set() and query.isActive and not follower.evicted.is_set():
             follower.serving = follower.serving or query.lastProgress is not None
             progress.observe(int(time.time() * 1000), sink.completed, query.status["isTriggerActive"])
             follower.progress = progress.fields()
+            health.observe(progress.progress_ms, progress.batch, follower.serving)
             stopping.wait(0.5)
     except (Py4JError, ConnectionError) as lost:  # the JVM exited: out of memory (see spark_session), killed
+        health.enter(Phase.STOPPED, f"Spark's JVM is gone ({type(lost).__name__})")
         print(f"{name}: Spark's JVM is gone ({type(lost).__name__}), exiting", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
@@ -249,9 +300,16 @@ def run_instance(cfg: Config, bootstrap: str, name: str, pids: frozenset[int] | 
     if error is not None:
         fenced = Fenced.__name__ in str(error)
         reason = "fenced: another instance owns its pids now" if fenced else f"query failed: {error}"
+        health.enter(Phase.STOPPED, reason.splitlines()[0][:300])
         print(f"{name}: {reason}", file=sys.stderr, flush=True)
         spark.stop()
         sys.exit(FENCED_EXIT_STATUS if fenced else 1)
+    if follower.evicted.is_set():
+        health.enter(Phase.STOPPED, "evicted: declared dead while it ran")
+    elif stopping.is_set():
+        health.enter(Phase.STOPPING)
+    else:
+        health.enter(Phase.STOPPED, "query ended")
     query.stop()
     spark.stop()
     if follower.evicted.is_set():

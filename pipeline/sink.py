@@ -247,6 +247,7 @@ class ExactlyOnceSink:
         checkpoint: Path,
         watermarks: Path,
         results_per_tuple: Path,
+        on_commit: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         from confluent_kafka import Producer
         from confluent_kafka.admin import AdminClient
@@ -285,6 +286,8 @@ class ExactlyOnceSink:
         self._undelivered: dict[int, KafkaError] = {}
         self.last_end = time.monotonic()
         self.streams = cfg.streams
+        self.on_commit = on_commit
+        """Called with each committed batch's metrics record, after its commit (the instance's /metrics)."""
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
         started = time.monotonic()
@@ -316,6 +319,8 @@ class ExactlyOnceSink:
                 raise
             raise self._taken_over(batch_id, exc.args[0]) from exc
         self.last_batch = self.completed = batch_id
+        if self.on_commit is not None:
+            self.on_commit(metrics)
         self._note_watermarks(offsets, columns, kind)
         if metrics["tuples_in"]:
             self._results_per_tuple.append(results / metrics["tuples_in"])

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build the Kubernetes tools the tests in tests/k8s/ need: a real kube-apiserver, kubectl, etcd and helm.
+# Build the Kubernetes tools the tests in tests/k8s/ need (a real kube-apiserver, kubectl, etcd and helm) and
+# the rest of the single-node cluster scripts/cluster.sh runs (kube-controller-manager, kube-scheduler,
+# kubelet, kube-proxy, CoreDNS, local-path-provisioner).
 #
 # No kind/k3s/minikube binaries or release downloads are reachable from the build machines, so everything
 # is compiled from the Go module proxy (the "envtest" pattern: a real API server with CRDs, RBAC, admission
@@ -23,6 +25,10 @@ set -euo pipefail
 K8S_VERSION="1.36.3"   # k8s.io/kubernetes v1.36.3, staging modules v0.36.3
 ETCD_VERSION="3.5.35"  # go.etcd.io/etcd/server/v3
 HELM_VERSION="3.22.0"  # helm.sh/helm/v3
+# The API server and kubectl for the tests; the rest of a single-node cluster for `make cluster-up`.
+KUBERNETES_BINARIES=(kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet kube-proxy)
+COREDNS_VERSION="1.13.1"           # github.com/coredns/coredns: cluster DNS (make cluster-up)
+LOCAL_PATH_VERSION="0.0.30"        # github.com/rancher/local-path-provisioner: the default StorageClass
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 MODULES="$HERE/k8s-tools"
@@ -124,8 +130,10 @@ fi
 
 build_kubernetes() {
   local want="k8s.io/kubernetes v$K8S_VERSION"
-  if stamp_ok kube-apiserver "$want" && stamp_ok kubectl "$want"; then
-    log "kube-apiserver, kubectl v$K8S_VERSION: up to date"
+  local name missing=0
+  for name in "${KUBERNETES_BINARIES[@]}"; do stamp_ok "$name" "$want" || missing=1; done
+  if [[ "$missing" == 0 ]]; then
+    log "${KUBERNETES_BINARIES[*]} v$K8S_VERSION: up to date"
     return
   fi
   local dir t0=$SECONDS
@@ -137,13 +145,13 @@ build_kubernetes() {
     x+=" -X $pkg.gitVersion=v$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
     x+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
   done
-  log "building kube-apiserver + kubectl v$K8S_VERSION (cold: several minutes on 2 cores)..."
-  (cd "$dir" && "$GO" build -trimpath -ldflags="$LDFLAGS_STRIP$x" -o "$BIN/" \
-    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl)
+  log "building ${KUBERNETES_BINARIES[*]} v$K8S_VERSION (cold: ten minutes or more on 2 cores)..."
+  local pkgs=()
+  for name in "${KUBERNETES_BINARIES[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$name"); done
+  (cd "$dir" && "$GO" build -trimpath -ldflags="$LDFLAGS_STRIP$x" -o "$BIN/" "${pkgs[@]}")
   [[ "$REGENERATE" == 1 ]] && cp "$dir/go.mod" "$dir/go.sum" "$MODULES/kubernetes/"
-  write_stamp kube-apiserver "$want"
-  write_stamp kubectl "$want"
-  log "kube-apiserver + kubectl built in $((SECONDS - t0)) s"
+  for name in "${KUBERNETES_BINARIES[@]}"; do write_stamp "$name" "$want"; done
+  log "${KUBERNETES_BINARIES[*]} built in $((SECONDS - t0)) s"
 }
 
 build_etcd() {
@@ -185,13 +193,32 @@ build_helm() {
   log "helm built in $((SECONDS - t0)) s"
 }
 
+# go_install NAME MODULE VERSION PACKAGE: a module without replace directives, built as `go install` does.
+go_install() {
+  local name="$1" module="$2" version="$3" package="$4" want="$2 v$3"
+  if stamp_ok "$name" "$want"; then
+    log "$name v$version: up to date"
+    return
+  fi
+  local t0=$SECONDS
+  log "building $name v$version..."
+  GOBIN="$BIN" GOFLAGS="-buildvcs=false" "$GO" install -trimpath -ldflags="$LDFLAGS_STRIP" "$package@v$version"
+  [[ "$(basename "$package")" == "$name" ]] || mv "$BIN/$(basename "$package")" "$BIN/$name"
+  write_stamp "$name" "$want"
+  log "$name built in $((SECONDS - t0)) s"
+}
+
 build_kubernetes
 build_etcd
 build_helm
+go_install coredns github.com/coredns/coredns "$COREDNS_VERSION" github.com/coredns/coredns
+go_install local-path-provisioner github.com/rancher/local-path-provisioner "$LOCAL_PATH_VERSION" \
+  github.com/rancher/local-path-provisioner
 
 log "all tools ready in $((SECONDS - START_ALL)) s:"
 "$BIN/kube-apiserver" --version >&2
 "$BIN/kubectl" version --client >&2
 "$BIN/etcd" --version | sed -n 1p >&2
 "$BIN/helm" version --short >&2
+"$BIN/coredns" -version | sed -n 1p >&2
 echo "$BIN"

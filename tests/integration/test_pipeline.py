@@ -5,14 +5,18 @@ from __future__ import annotations
 import itertools
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from confluent_kafka import Producer
+from prometheus_client.parser import text_string_to_metric_families
 
 from controller.local import LocalPipeline, backlog, committed_offsets, wait_drained
 from generator.producer import run_generator
@@ -71,22 +75,74 @@ def drain_with_one_instance(cfg: Config, bootstrap: str, work: Path) -> LocalPip
     return pipeline
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """An instance's /metrics: sample name and labels -> value."""
+    code, body = _get(port, "/metrics")
+    assert code == 200, body
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+
+
 def test_two_instances_on_a_static_split_produce_exactly_the_oracle(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
+    """Also what each instance serves on a metrics port of its own: ready once its query runs, and
+    metrics that count every input tuple and every result once between them."""
     cfg = small_config(topic_prefix, "generator.max_tuples=60000", "generator.duration_s=null")
     run_generator(cfg, kafka_bootstrap)
     pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
+    ports = {"instance-0": _free_port(), "instance-1": _free_port()}
     try:
-        pipeline.start_instance("instance-0", range(0, 4))
-        pipeline.start_instance("instance-1", range(4, 8))
+        pipeline.start_instance("instance-0", range(0, 4), metrics_port=ports["instance-0"])
+        pipeline.start_instance("instance-1", range(4, 8), metrics_port=ports["instance-1"])
         wait_drained(pipeline, timeout_s=300)
+        probes = {name: (_get(port, "/healthz"), _get(port, "/readyz")) for name, port in ports.items()}
+
+        def tuples_counted() -> float:  # a batch's metrics are taken in just after its commit
+            return sum(_scrape(port)[("fluxjoin_instance_tuples_total", ())] for port in ports.values())
+
+        wait_for(lambda: tuples_counted() >= 60000, 30, "the last batches' metrics", 0.5)
+        scraped = {name: _scrape(port) for name, port in ports.items()}
     finally:
         pipeline.stop()
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
     assert report.input_tuples == 60000
     assert report.expected > 10_000, "the workload must produce a meaningful number of results"
     assert (report.missing, report.duplicate, report.spurious) == (0, 0, 0), report.describe()
+
+    assert probes == {name: ((200, "running\n"), (200, "serving\n")) for name in ports}
+    assert sum(m[("fluxjoin_instance_tuples_total", ())] for m in scraped.values()) == 60000
+    assert sum(m[("fluxjoin_instance_results_total", ())] for m in scraped.values()) == report.expected
+    for name, pids in (("instance-0", range(0, 4)), ("instance-1", range(4, 8))):
+        m = scraped[name]
+        assert m[("fluxjoin_instance_ready", ())] == 1
+        assert m[("fluxjoin_instance_pids", ())] == 4
+        lag = {
+            dict(labels)["pid"]: v for (n, labels), v in m.items() if n == "fluxjoin_instance_lag_messages"
+        }
+        assert lag == {str(p): 0 for p in pids}, "drained: nothing beyond the last batch"
+        assert m[("fluxjoin_instance_state_bytes", ())] > 0
+        batches = m[("fluxjoin_instance_batches_total", ())]
+        assert batches >= 1 and m[("fluxjoin_instance_batch_duration_seconds_count", ())] == batches
+        results = m[("fluxjoin_instance_results_total", ())]
+        assert m[("fluxjoin_instance_result_latency_seconds_count", ())] == results > 0
 
 
 def test_a_paced_instance_runs_its_batches_a_trigger_apart_and_stays_exact(

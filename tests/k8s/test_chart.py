@@ -375,8 +375,11 @@ ALLOWED = [
     ["update", "joinpipelines.fluxjoin.io/finalizers"],
     ["create", "statefulsets.apps"],
     ["patch", "statefulsets.apps"],
-    ["delete", "statefulsets.apps"],
     ["create", "services"],
+    ["create", "configmaps"],
+    ["patch", "configmaps"],
+    ["create", "poddisruptionbudgets.policy"],
+    ["patch", "poddisruptionbudgets.policy"],
     ["list", "pods"],
     ["watch", "pods"],
     ["list", "persistentvolumeclaims"],
@@ -388,6 +391,8 @@ ALLOWED = [
 ]
 DENIED_IN_NAMESPACE = [
     ["get", "secrets"],
+    ["delete", "statefulsets.apps"],
+    ["delete", "configmaps"],
     ["create", "pods"],
     ["delete", "pods"],
     ["create", "persistentvolumeclaims"],
@@ -397,7 +402,7 @@ DENIED_IN_NAMESPACE = [
     ["delete", "leases.coordination.k8s.io"],
     ["create", "roles.rbac.authorization.k8s.io"],
     ["create", "rolebindings.rbac.authorization.k8s.io"],
-    ["create", "configmaps"],
+    ["list", "configmaps"],
     ["create", "pods/exec"],
     ["create", "serviceaccounts/token"],
 ]

@@ -11,6 +11,7 @@ checkpoint volumes themselves where it matters.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
@@ -165,6 +166,25 @@ def _svc(kube: KubeCluster, namespace: str, name: str = "x") -> dict[str, Any]:
     return _plain(kube, kubernetes.client.CoreV1Api(kube.api_client).read_namespaced_service(name, namespace))
 
 
+def _cm(kube: KubeCluster, namespace: str, name: str = "x") -> dict[str, Any]:
+    return _plain(
+        kube, kubernetes.client.CoreV1Api(kube.api_client).read_namespaced_config_map(name, namespace)
+    )
+
+
+def _pdb(kube: KubeCluster, namespace: str, name: str = "x") -> dict[str, Any]:
+    policy = kubernetes.client.PolicyV1Api(kube.api_client)
+    return _plain(kube, policy.read_namespaced_pod_disruption_budget(name, namespace))
+
+
+def _instance_config(kube: KubeCluster, namespace: str, name: str = "x") -> dict[str, Any]:
+    """The configuration file the pipeline's instance pods read, as `fluxjoin instance --config` parses it."""
+    (text,) = _cm(kube, namespace, name)["data"].values()
+    parsed = yaml.safe_load(text)
+    assert isinstance(parsed, dict)
+    return parsed
+
+
 def _missing(read: Callable[[], object]) -> bool:
     try:
         read()
@@ -186,11 +206,9 @@ def _reasons(kube: KubeCluster, namespace: str, name: str = "x") -> list[str]:
     return [reason for reason, _ in _events(kube, namespace, name)]
 
 
-def _versions(kube: KubeCluster, namespace: str) -> tuple[str, str, str]:
-    return (
-        _jp(kube, namespace)["metadata"]["resourceVersion"],
-        _sts(kube, namespace)["metadata"]["resourceVersion"],
-        _svc(kube, namespace)["metadata"]["resourceVersion"],
+def _versions(kube: KubeCluster, namespace: str) -> tuple[str, ...]:
+    return tuple(
+        read(kube, namespace)["metadata"]["resourceVersion"] for read in (_jp, _sts, _svc, _cm, _pdb)
     )
 
 
@@ -257,16 +275,32 @@ def test_a_new_pipeline_gets_its_statefulset_service_and_status(
     (container,) = pod["spec"]["containers"]
     assert container["image"] == "registry.example.com/fluxjoin:0.1.0"
     assert container["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
-    assert container["args"][:5] == [
-        "instance",
-        "--name",
-        "$(FLUXJOIN_POD_NAME)",
-        "--bootstrap",
-        "kafka.kafka.svc:9092",
-    ]
-    assert "pipeline=orders" in container["args"]
-    assert "--pids" not in container["args"]
+    assert container["args"] == [
+        "instance", "--name", "$(FLUXJOIN_POD_NAME)", "--config", "/etc/fluxjoin/instance.yaml",
+        "--metrics-port", "9108",
+    ]  # fmt: skip
     assert {"name": "checkpoint", "mountPath": "/var/lib/fluxjoin/work"} in container["volumeMounts"]
+    assert {"name": "config", "mountPath": "/etc/fluxjoin", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "config", "configMap": {"name": "x", "defaultMode": 420}} in pod["spec"]["volumes"]
+    assert container["startupProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics", "scheme": "HTTP"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics", "scheme": "HTTP"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics", "scheme": "HTTP"}
+
+    cm = _cm(kube, namespace)
+    assert cm["metadata"]["ownerReferences"] == sts["metadata"]["ownerReferences"]
+    assert selector.items() <= cm["metadata"]["labels"].items()
+    config = _instance_config(kube, namespace)
+    assert (config["pipeline"], config["bootstrap"], config["partitions"]) == (
+        "orders",
+        "kafka.kafka.svc:9092",
+        8,
+    )
+    assert "pids" not in config, "pids come from the control topic: a move never changes a pod"
+
+    pdb = _pdb(kube, namespace)
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"] == {"matchLabels": selector}
+    assert pdb["metadata"]["ownerReferences"] == sts["metadata"]["ownerReferences"]
     (claim,) = sts["spec"]["volumeClaimTemplates"]
     assert claim["metadata"]["name"] == "checkpoint"
     assert claim["spec"]["resources"] == {"requests": {"storage": "1Gi"}}
@@ -281,7 +315,7 @@ def test_a_new_pipeline_gets_its_statefulset_service_and_status(
     assert svc["spec"]["selector"] == selector
     assert svc["metadata"]["ownerReferences"][0]["uid"] == uid
 
-    assert FINALIZER in jp["metadata"]["finalizers"]
+    assert not jp["metadata"].get("finalizers"), "the garbage collector cleans up, not a finalizer"
     status = jp["status"]
     assert status["epoch"] == 0
     assert status["assignment"] == [
@@ -338,14 +372,19 @@ def test_the_instance_image_defaults_to_the_operators_and_spec_changes_update_th
     _apply(kube, namespace, "x", partitions=4, replicas=1)
     operator.reconcile_once()
     assert _sts(kube, namespace)["spec"]["template"]["spec"]["containers"][0]["image"] == SETTINGS.image
+    config_hash = _sts(kube, namespace)["spec"]["template"]["metadata"]["annotations"][
+        "fluxjoin.io/config-hash"
+    ]
     kube.kubectl(
         "patch", "-n", namespace, "jp/x", "--type=merge",
         "-p", '{"spec":{"image":"fluxjoin:2","windowMs":5000}}',
     )  # fmt: skip
     operator.reconcile_once()
-    (container,) = _sts(kube, namespace)["spec"]["template"]["spec"]["containers"]
+    template = _sts(kube, namespace)["spec"]["template"]
+    (container,) = template["spec"]["containers"]
     assert container["image"] == "fluxjoin:2"
-    assert "window_ms=5000" in container["args"]
+    assert _instance_config(kube, namespace)["window_ms"] == 5000
+    assert template["metadata"]["annotations"]["fluxjoin.io/config-hash"] != config_hash, "the pods roll"
     assert _reasons(kube, namespace)[-1] == "Updated"
     status = _jp(kube, namespace)["status"]
     assert status["observedGeneration"] == 2
@@ -563,32 +602,53 @@ def test_a_released_pid_holds_up_no_policy_round(
 # --- delete ---
 
 
-def test_deleting_a_pipeline_runs_the_finalizer_and_removes_what_it_owns(
+def test_what_a_pipeline_owns_names_it_as_owner_so_the_garbage_collector_deletes_it_with_the_pipeline(
     kube: KubeCluster, namespace: str, operator: Operator, movers: Movers
 ) -> None:
+    # This API server has no garbage collector; the e2e on a real cluster (tests/e2e) shows it deleting.
     _apply(kube, namespace, "x", partitions=4, replicas=2)
-    _apply(kube, namespace, "other", partitions=4, replicas=1)
     operator.reconcile_once()
-    _claim(kube, namespace, "checkpoint-x-0")
-    _claim(kube, namespace, "checkpoint-other-0", pipeline="other")
+    uid = _jp(kube, namespace)["metadata"]["uid"]
+    for owned in (
+        _sts(kube, namespace, "x"),
+        _svc(kube, namespace),
+        _cm(kube, namespace),
+        _pdb(kube, namespace),
+    ):
+        assert owned["metadata"]["ownerReferences"] == [
+            {"apiVersion": "fluxjoin.io/v1alpha1", "kind": "JoinPipeline", "name": "x", "uid": uid,
+             "controller": True, "blockOwnerDeletion": True}
+        ]  # fmt: skip
+    # The checkpoint volumes belong to the StatefulSet, and go with it.
+    assert (
+        _sts(kube, namespace, "x")["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Delete"
+    )
 
     kube.kubectl("delete", "-n", namespace, "jp/x", "--wait=false")
-    assert _jp(kube, namespace)["metadata"]["deletionTimestamp"], "the finalizer holds the pipeline"
+    assert _missing(lambda: _jp(kube, namespace)), "no finalizer holds the pipeline"
     operator.reconcile_once()
-
-    core = kubernetes.client.CoreV1Api(kube.api_client)
-    apps = kubernetes.client.AppsV1Api(kube.api_client)
-    assert _missing(lambda: apps.read_namespaced_stateful_set("x", namespace))
-    assert _missing(lambda: core.read_namespaced_service("x", namespace))
-    assert _missing(lambda: _jp(kube, namespace))
-    assert _claims(kube, namespace) == {"checkpoint-x-0": True, "checkpoint-other-0": False}
     assert movers.by_name["x"].closed
-    assert _events(kube, namespace)[-1] == (
-        "Finalized", "deleted StatefulSet x, Service x, 1 checkpoint volumes"
-    )  # fmt: skip
-    # The other pipeline is untouched.
-    assert _sts(kube, namespace, "other")["spec"]["replicas"] == 1
-    assert not movers.by_name["other"].closed
+
+
+def test_a_pipeline_holding_the_finalizer_of_an_older_operator_is_let_go(
+    kube: KubeCluster, namespace: str, operator: Operator, movers: Movers
+) -> None:
+    _apply(kube, namespace, "x", partitions=4, replicas=1)
+    operator.reconcile_once()
+    kube.kubectl(
+        "patch",
+        "-n",
+        namespace,
+        "jp/x",
+        "--type=merge",
+        "-p",
+        json.dumps({"metadata": {"finalizers": [FINALIZER]}}),
+    )
+    kube.kubectl("delete", "-n", namespace, "jp/x", "--wait=false")
+    assert _jp(kube, namespace)["metadata"]["deletionTimestamp"], "the old finalizer holds the pipeline"
+    operator.reconcile_once()
+    assert _missing(lambda: _jp(kube, namespace))
+    assert movers.by_name["x"].closed
 
 
 # --- leader election ---
@@ -720,11 +780,15 @@ OPERATOR_REQUESTS = [
     ["get", "statefulsets.apps"],
     ["create", "statefulsets.apps"],
     ["patch", "statefulsets.apps"],
-    ["delete", "statefulsets.apps"],
     ["get", "services"],
     ["create", "services"],
     ["patch", "services"],
-    ["delete", "services"],
+    ["get", "configmaps"],
+    ["create", "configmaps"],
+    ["patch", "configmaps"],
+    ["get", "poddisruptionbudgets.policy"],
+    ["create", "poddisruptionbudgets.policy"],
+    ["patch", "poddisruptionbudgets.policy"],
     ["list", "persistentvolumeclaims"],
     ["delete", "persistentvolumeclaims"],
     ["create", "leases.coordination.k8s.io"],
@@ -783,8 +847,15 @@ def test_the_charts_role_covers_every_request_of_a_full_lifecycle(
     kube.kubectl("delete", "-n", namespace, "jp/x", "--wait=false")
     round_()
     assert _missing(lambda: _jp(kube, namespace))
-    assert {"Started", "Created", "ScaledOut", "MoveRequested", "MoveCompleted", "ScaledIn", "VolumeDeleted",
-            "Finalized"} <= set(_reasons(kube, namespace))  # fmt: skip
+    assert {
+        "Started",
+        "Created",
+        "ScaledOut",
+        "MoveRequested",
+        "MoveCompleted",
+        "ScaledIn",
+        "VolumeDeleted",
+    } <= set(_reasons(kube, namespace))
     elector.release()
 
 

@@ -15,7 +15,10 @@ advertised="${KAFKA_ADVERTISED_LISTENERS:-PLAINTEXT://localhost:$port}"
 controller_port=29093
 [ "$controller_port" = "$port" ] && controller_port=29094
 data=/var/lib/kafka/data
-conf=/var/lib/kafka/server.properties
+# Configuration goes to a fresh directory of its own: the image may run under any uid (the chart's trial
+# Kafka runs as 1000, not as the image's user), which cannot write to the image's home directory.
+conf_dir="$(mktemp -d)"
+conf="$conf_dir/server.properties"
 
 # Same settings as controller/kafka_runtime.py's server_properties(): one node, every internal topic with
 # replication factor 1 (transactions and consumer groups hang otherwise), no auto-created topics.
@@ -41,7 +44,7 @@ share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 PROPS
 
-cat >/var/lib/kafka/log4j2.properties <<'LOG4J'
+cat >"$conf_dir/log4j2.properties" <<'LOG4J'
 status = warn
 appender.out.type = Console
 appender.out.name = out
@@ -58,7 +61,7 @@ LOG4J
 # shellcheck disable=SC2086 # KAFKA_HEAP_OPTS is a list of flags
 set -- java ${KAFKA_HEAP_OPTS:--Xms256m -Xmx768m} -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
   -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
-  -Dlog4j2.configurationFile=/var/lib/kafka/log4j2.properties -cp '/opt/kafka/libs/*'
+  -Dlog4j2.configurationFile=$conf_dir/log4j2.properties -cp '/opt/kafka/libs/*'
 
 if [ ! -f "$data/meta.properties" ]; then
   # A KRaft cluster id: 16 random bytes, url-safe base64 without padding, not starting with '-'.

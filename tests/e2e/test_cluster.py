@@ -1,0 +1,264 @@
+"""fluxjoin on a real single-node Kubernetes cluster, as a user runs it: `helm install`, kubectl, faults.
+
+The cluster (scripts/cluster.sh: kubelet, containerd, scheduler, controller-manager, CoreDNS, a default
+StorageClass) runs real pods from the image `make image` builds. The chart installs its trial Kafka, the
+operator, a JoinPipeline of two instances and the generator; while input flows the pipeline is scaled
+2 -> 4 -> 2, rolled to a second image tag, loses an instance pod to a forced deletion and its node's
+kubelet for 30 s. Then the generator stops and the oracle, a Job running `fluxjoin verify` on the input
+topics alone, must find the results exact; `helm uninstall` must leave nothing behind. Timings and counts
+go to reports/e2e.json.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.kafka_runtime import build_broker_image
+from controller.workload import PIPELINE_LABEL
+from tests.e2e.kube import (
+    REPO,
+    Kube,
+    cluster_up,
+    helm_values,
+    last_json_line,
+    load_images,
+    pod_ready,
+    run_job,
+    say,
+    stop_kubelet,
+    wait_until,
+)
+
+CHART = REPO / "charts" / "fluxjoin"
+REPORT = REPO / "reports" / "e2e.json"
+NAMESPACE = "fluxjoin-e2e"
+RELEASE = "fj"
+PIPELINE = "fj-fluxjoin"
+IMAGE, TAG, SECOND_TAG = "fluxjoin", "e2e", "e2e-2"
+RATE = 1000  # tuples per second over all streams
+MIN_TUPLES = 300_000
+ORACLE_COUNTS = ("exact", "input_tuples", "expected", "missing", "duplicate", "spurious", "wrongly_late")
+INSTANCES = f"app.kubernetes.io/component=instance,{PIPELINE_LABEL}={PIPELINE}"
+
+
+@pytest.fixture(scope="module")
+def kube() -> Iterator[Kube]:
+    t0 = time.monotonic()
+    kubeconfig = cluster_up()
+    bin_dir = Path(
+        subprocess.run(
+            ["bash", str(REPO / "scripts" / "ensure-k8s-tools.sh"), "--print-bin"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
+    say(f"cluster up in {time.monotonic() - t0:.0f} s")
+    t0 = time.monotonic()
+    subprocess.run(["bash", str(REPO / "scripts" / "build-image.sh"), f"{IMAGE}:{TAG}"], check=True,
+                   capture_output=True)  # fmt: skip
+    subprocess.run(["docker", "tag", f"{IMAGE}:{TAG}", f"{IMAGE}:{SECOND_TAG}"], check=True)
+    broker = build_broker_image(progress=False)
+    load_images(f"{IMAGE}:{TAG}", f"{IMAGE}:{SECOND_TAG}", broker)
+    say(f"images built and loaded in {time.monotonic() - t0:.0f} s")
+    k = Kube(kubeconfig, NAMESPACE, bin_dir)
+    k.run("kubectl", "delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true", timeout=600)
+    k.run("kubectl", "create", "namespace", NAMESPACE)
+    k.broker_image = broker  # type: ignore[attr-defined]
+    yield k
+    k.run("kubectl", "delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=false", check=False)
+
+
+def _values(broker_image: str) -> list[str]:
+    repository, _, tag = broker_image.partition(":")
+    return helm_values(
+        [
+            ("image.repository", IMAGE),
+            ("image.tag", TAG),
+            ("image.pullPolicy", "Never"),
+            ("kafka.trial.enabled", "true"),
+            ("kafka.trial.image.repository", repository),
+            ("kafka.trial.image.tag", tag),
+            ("kafka.trial.image.pullPolicy", "Never"),
+            ("kafka.trial.storage.size", "2Gi"),
+            ("kafka.trial.resources.requests.cpu", "100m"),
+            ("operator.resources.requests.cpu", "50m"),
+            ("pipeline.create", "true"),
+            ("pipeline.replicas", "2"),
+            ("pipeline.partitions", "16"),
+            ("pipeline.streams", "{A,B}"),
+            ("pipeline.instance.sparkMaster", "local[1]"),
+            ("pipeline.resources.requests.cpu", "100m"),
+            ("pipeline.resources.requests.memory", "1Gi"),
+            ("pipeline.checkpoint.size", "1Gi"),
+            ("generator.enabled", "true"),
+            ("generator.resources.requests.cpu", "50m"),
+            ("generator.config.rate.rate", str(RATE)),
+            ("generator.config.keys.count", "2000"),
+        ]
+    )
+
+
+def _pipeline(kube: Kube) -> dict[str, Any]:
+    return kube.get("joinpipeline", PIPELINE)
+
+
+def _ready(kube: Kube, replicas: int) -> bool:
+    jp = _pipeline(kube)
+    status = jp.get("status", {})
+    ready = [
+        c for c in status.get("conditions", []) if c.get("type") == "Ready" and c.get("status") == "True"
+    ]
+    return (
+        bool(ready)
+        and status.get("replicas") == replicas
+        and status.get("readyReplicas") == replicas
+        and not status.get("movesInFlight")
+        and status.get("observedGeneration") == jp["metadata"]["generation"]
+    )
+
+
+def _wait_ready(kube: Kube, replicas: int, what: str, timeout_s: float = 600) -> float:
+    took = wait_until(what, timeout_s, lambda: _ready(kube, replicas), kube.overview)
+    say(f"{what}: {took:.0f} s")
+    return took
+
+
+def _instance_pods_ready(kube: Kube, replicas: int) -> bool:
+    pods = kube.pods(INSTANCES)
+    return len(pods) == replicas and all(pod_ready(p) for p in pods)
+
+
+def _verify_job(kube: Kube, attempt: int) -> dict[str, Any]:
+    """`fluxjoin verify --json` in the cluster, with the generator's configuration (same topics)."""
+    name = f"oracle-{attempt}"
+    config_map = f"{PIPELINE}-generator"
+    manifest = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
+                    "containers": [
+                        {
+                            "name": "oracle",
+                            "image": f"{IMAGE}:{TAG}",
+                            "imagePullPolicy": "Never",
+                            "args": ["verify", "--config", "/etc/fluxjoin/fluxjoin.yaml", "--json"],
+                            "volumeMounts": [{"name": "config", "mountPath": "/etc/fluxjoin"}],
+                        }
+                    ],
+                    "volumes": [{"name": "config", "configMap": {"name": config_map}}],
+                }
+            },
+        },
+    }
+    _, log = run_job(kube, name, manifest, timeout_s=600)
+    return last_json_line(log)
+
+
+def test_helm_install_scale_roll_and_faults_stay_exact(kube: Kube) -> None:
+    report: dict[str, Any] = {"rate": RATE}
+    t_start = time.monotonic()
+    kube.helm("install", RELEASE, str(CHART), *_values(kube.broker_image))  # type: ignore[attr-defined]
+    report["ready_s"] = _wait_ready(kube, 2, "helm install -> Ready with 2 instances", timeout_s=900)
+    assert _instance_pods_ready(kube, 2), kube.overview()
+
+    steps: dict[str, float] = {}
+    for replicas in (4, 2):
+        kube.kubectl("scale", "joinpipeline", PIPELINE, f"--replicas={replicas}")
+        steps[f"scale_to_{replicas}_s"] = _wait_ready(kube, replicas, f"kubectl scale --replicas={replicas}")
+    report["scale"] = steps
+
+    # A rolling update: the same image under a second tag (a new pod template, every instance restarts).
+    kube.helm("upgrade", RELEASE, str(CHART), "--reuse-values", "--set", f"image.tag={SECOND_TAG}")
+
+    def rolled() -> bool:
+        pods = kube.pods(INSTANCES)
+        images = {c["image"] for p in pods for c in p["spec"]["containers"]}
+        return images == {f"{IMAGE}:{SECOND_TAG}"} and _ready(kube, 2) and _instance_pods_ready(kube, 2)
+
+    report["rolling_update_s"] = wait_until(
+        "helm upgrade -> every instance rolled", 900, rolled, kube.overview
+    )
+    say(f"rolling update: {report['rolling_update_s']:.0f} s")
+
+    victim = sorted(kube.pods(INSTANCES), key=lambda p: str(p["metadata"]["name"]))[0]["metadata"]
+    kube.kubectl("delete", "pod", victim["name"], "--grace-period=0", "--force")
+
+    def replaced() -> bool:
+        pods = {p["metadata"]["name"]: p for p in kube.pods(INSTANCES)}
+        new = pods.get(victim["name"])
+        return (
+            new is not None and new["metadata"]["uid"] != victim["uid"] and pod_ready(new) and _ready(kube, 2)
+        )
+
+    took = wait_until(
+        f"forced deletion of {victim['name']} -> replaced and Ready", 600, replaced, kube.overview
+    )
+    report["forced_delete_s"] = took
+    say(f"forced deletion of {victim['name']} -> replaced and Ready: {took:.0f} s")
+
+    stop_kubelet()
+    time.sleep(30)
+    t0 = time.monotonic()
+    cluster_up()
+    report["kubelet_restart_s"] = _wait_ready(kube, 2, "kubelet back after 30 s -> Ready") + (
+        time.monotonic() - t0
+    )
+
+    # Enough input, then the generator stops (its pod's SIGTERM ends the producer cleanly).
+    min_s = MIN_TUPLES / RATE - (time.monotonic() - t_start)
+    if min_s > 0:
+        say(f"generating {min_s:.0f} s more for at least {MIN_TUPLES} tuples")
+        time.sleep(min_s)
+    kube.kubectl("scale", "deployment", f"{PIPELINE}-generator", "--replicas=0")
+    wait_until(
+        "generator stopped",
+        120,
+        lambda: not kube.pods("app.kubernetes.io/component=generator"),
+        kube.overview,
+    )
+
+    # The oracle until the pipeline has caught up (exact), or until it is plainly not going to be.
+    verdict: dict[str, Any] = {}
+    t0 = time.monotonic()
+    for attempt in range(1, 11):
+        verdict = _verify_job(kube, attempt)
+        counts = {k: verdict.get(k) for k in ORACLE_COUNTS}
+        say(f"oracle attempt {attempt}: {json.dumps(counts)}")
+        if verdict.get("exact") or time.monotonic() - t0 > 900:
+            break
+        time.sleep(20)
+    report["oracle"] = verdict
+
+    t0 = time.monotonic()
+    kube.helm("uninstall", RELEASE, "--wait", "--timeout", "5m")
+
+    def gone() -> bool:
+        left = kube.kubectl("get", "jp,sts,deploy,pods,pvc,svc,cm,pdb", "-o", "name", check=False)
+        return not [
+            line
+            for line in left.splitlines()
+            if line and "kube-root-ca.crt" not in line and "/oracle-" not in line
+        ]
+
+    report["uninstall_s"] = wait_until("helm uninstall leaves nothing", 300, gone, kube.overview)
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    REPORT.write_text(json.dumps(report, indent=2) + "\n")
+    say(f"report: {REPORT}")
+
+    assert verdict.get("exact") is True, f"the oracle found the results not exact: {verdict}"
+    assert verdict.get("missing") == 0 and verdict.get("duplicate") == 0 and verdict.get("spurious") == 0
+    assert verdict["input_tuples"] >= MIN_TUPLES

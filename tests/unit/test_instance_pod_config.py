@@ -1,0 +1,194 @@
+"""What an instance pod runs with: the operator's rendering of a pipeline, read back by `fluxjoin instance`.
+
+The pod's container arguments, with the files its ConfigMap volumes hold, go through the real CLI the way
+the kubelet would start it (environment references expanded, volumes mounted); only the instance's run
+is replaced, to capture the configuration it would start with.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+import pipeline.instance
+from controller.cli import app
+from controller.workload import (
+    CONFIG_HASH_ANNOTATION,
+    InstanceSettings,
+    PipelineSpec,
+    config_map,
+    instance_config,
+    pod_disruption_budget,
+    statefulset,
+)
+from pipeline.config import Config
+
+SETTINGS = InstanceSettings(image="fluxjoin:test")
+
+
+def _pipeline(name: str, streams: list[str], **spec: Any) -> PipelineSpec:
+    return PipelineSpec.from_object(
+        {
+            "metadata": {"name": name, "namespace": "ns", "uid": "u-1", "generation": 1},
+            "spec": {"kafka": {"bootstrapServers": "kafka.kafka.svc:9092"}, "streams": streams, **spec},
+        }
+    )
+
+
+def _start_pod(
+    sts: dict[str, Any], config_maps: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Config, dict[str, Any]]:
+    """Start the StatefulSet's container as pod `<name>-0` through the CLI; the configuration and the
+    other arguments `run_instance` was called with."""
+    pod = sts["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {"FLUXJOIN_POD_NAME": f"{sts['metadata']['name']}-0", "FLUXJOIN_NAMESPACE": "ns"}
+    by_name = {cm["metadata"]["name"]: cm for cm in config_maps}
+    mounted: dict[str, Path] = {}
+    for volume in pod.get("volumes", []):
+        if "configMap" not in volume:
+            continue
+        files = tmp_path / volume["name"]
+        files.mkdir()
+        for key, text in by_name[volume["configMap"]["name"]]["data"].items():
+            (files / key).write_text(text)
+        for mount in container["volumeMounts"]:
+            if mount["name"] == volume["name"]:
+                mounted[mount["mountPath"]] = files
+
+    def as_in_pod(arg: str) -> str:
+        arg = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
+        for path, files in mounted.items():
+            if arg.startswith(path + "/"):
+                return str(files / arg[len(path) + 1 :])
+        return arg
+
+    started: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(
+        pipeline.instance, "run_instance", lambda *args, **kwargs: started.append((*args, kwargs))
+    )
+    result = CliRunner().invoke(app, [as_in_pod(a) for a in container["args"]])
+    assert result.exit_code == 0, result.output
+    ((cfg, bootstrap, name, pids, kwargs),) = started
+    return cfg, {"bootstrap": bootstrap, "name": name, "pids": pids, **kwargs}
+
+
+@pytest.mark.parametrize(
+    ("name", "streams"),
+    [
+        ("123", ["on", "B"]),
+        ("true", ["yes", "no", "null"]),
+        ("0x1f", ["off", "A"]),
+        ("demo", ["A", "B", "C"]),
+    ],
+)
+def test_a_pipeline_named_like_a_yaml_number_or_boolean_reaches_its_instances_as_written(
+    name: str, streams: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Valid Kubernetes names and stream names that YAML would read as numbers, booleans or null
+    (`123`, `on`) stay strings on the way into the instance: its pods would otherwise crash-loop."""
+    spec = _pipeline(name, streams, windowMs=5000, partitions=16)
+    cfg, started = _start_pod(statefulset(spec, SETTINGS, 1), [config_map(spec)], tmp_path, monkeypatch)
+    assert cfg.pipeline == name
+    assert cfg.streams == streams
+    assert cfg.input_topics == [f"{name}.in.{s}" for s in streams]
+    assert (cfg.window_ms, cfg.partitions, cfg.instances) == (5000, 16, 1)
+    assert cfg.instance == spec.instance
+    assert (started["bootstrap"], started["name"], started["pids"]) == (
+        "kafka.kafka.svc:9092",
+        f"{name}-0",
+        None,
+    )
+    assert started["metrics_port"] == SETTINGS.metrics_port == 9108
+
+
+def _container(sts: dict[str, Any]) -> dict[str, Any]:
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_the_instance_serves_where_the_pod_probes_and_is_scraped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = InstanceSettings(image="fluxjoin:test", metrics_port=9200)
+    spec = _pipeline("demo", ["A", "B"])
+    sts = statefulset(spec, settings, 2)
+    _, started = _start_pod(sts, [config_map(spec)], tmp_path, monkeypatch)
+    assert started["metrics_port"] == 9200
+    container = _container(sts)
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9200, "protocol": "TCP"}]
+    assert sts["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9200"
+    probes = {kind: container[kind] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert {kind: p["httpGet"] for kind, p in probes.items()} == {
+        "startupProbe": {"path": "/readyz", "port": "metrics"},
+        "livenessProbe": {"path": "/healthz", "port": "metrics"},
+        "readinessProbe": {"path": "/readyz", "port": "metrics"},
+    }
+    startup = probes["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, (
+        "Spark's start: minutes on a small CPU"
+    )
+    liveness = probes["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 30
+
+
+def test_the_instance_commands_default_metrics_port_is_the_operators() -> None:
+    """`fluxjoin instance` run by hand, or by an older pod template without the option, serves where the
+    StatefulSet's probes and scrape annotations look by default."""
+    import inspect
+
+    from controller.cli import instance
+
+    option = inspect.signature(instance).parameters["metrics_port"]
+    assert option.default == InstanceSettings().metrics_port == 9108
+
+
+def test_a_changed_configuration_rolls_the_pods_and_a_scale_step_does_not() -> None:
+    spec = _pipeline("demo", ["A", "B"])
+    changed = _pipeline("demo", ["A", "B"], windowMs=20_000)
+    template = statefulset(spec, SETTINGS, 2)["spec"]["template"]
+    assert statefulset(spec, SETTINGS, 5)["spec"]["template"] == template
+    other = statefulset(changed, SETTINGS, 2)["spec"]["template"]
+    assert other["spec"] == template["spec"], "the configuration is no argument of the pod"
+    hashes = [t["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] for t in (template, other)]
+    assert hashes[0] != hashes[1]
+    assert config_map(spec)["data"] != config_map(changed)["data"]
+
+
+def test_the_config_map_is_owned_by_the_pipeline_and_mounted_where_the_instance_reads_it() -> None:
+    spec = _pipeline("demo", ["A", "B"])
+    sts, cm = statefulset(spec, SETTINGS, 2), config_map(spec)
+    assert cm["metadata"]["name"] == "demo"
+    assert cm["metadata"]["ownerReferences"] == sts["metadata"]["ownerReferences"]
+    assert cm["metadata"]["labels"] == sts["metadata"]["labels"]
+    (volume,) = [v for v in sts["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+    assert volume["configMap"] == {"name": "demo"}
+    (mount,) = [m for m in _container(sts)["volumeMounts"] if m["name"] == volume["name"]]
+    args = _container(sts)["args"]
+    (key,) = cm["data"]
+    assert args[args.index("--config") + 1] == f"{mount['mountPath']}/{key}"
+    assert mount["readOnly"] is True
+    assert "--set" not in args
+
+
+def test_a_configuration_the_instance_would_refuse_fails_the_rendering_not_the_pods() -> None:
+    with pytest.raises(ValueError, match="must be an identifier"):
+        instance_config(_pipeline("demo", ["A", "b-c"]))
+
+
+def test_the_disruption_budget_lets_one_instance_pod_go_at_a_time() -> None:
+    spec = _pipeline("demo", ["A", "B"])
+    sts, pdb = statefulset(spec, SETTINGS, 3), pod_disruption_budget(spec)
+    assert (pdb["apiVersion"], pdb["kind"], pdb["metadata"]["name"]) == (
+        "policy/v1",
+        "PodDisruptionBudget",
+        "demo",
+    )
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"] == sts["spec"]["selector"]
+    assert pdb["metadata"]["ownerReferences"] == sts["metadata"]["ownerReferences"]
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
