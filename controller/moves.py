@@ -21,7 +21,7 @@ import json
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -387,6 +387,38 @@ def finished_moves(before: Sequence[Move], after: ControlView) -> list[FinishedM
     ]
 
 
+def judge_liveness(
+    now: float,
+    *,
+    started: float,
+    heard: Mapping[str, float],
+    expected: Collection[str],
+    stalled_s: Mapping[str, float],
+    timeout_s: float,
+    progress_timeout_s: float,
+    restarting: Collection[str],
+    restart_grace_s: float,
+) -> tuple[frozenset[str], frozenset[str]]:
+    """(live, dead) among the instances heard from (`heard`: instance -> time of its last heartbeat) or
+    expected. Live: heard within `timeout_s`, its query not stalled past `progress_timeout_s` (its pids
+    would wait forever). Dead: stalled, or silent past `timeout_s`, or past `restart_grace_s` while its
+    pod is being (re)started (`restarting`): until then a restarting instance is neither. One never heard
+    from is silent since `started`; nobody is dead before the first `timeout_s` (nobody was heard yet)."""
+    live = frozenset(
+        i for i, t in heard.items() if now - t <= timeout_s and stalled_s.get(i, 0.0) <= progress_timeout_s
+    )
+    if now - started <= timeout_s:
+        return live, frozenset()
+
+    def dead_now(instance: str) -> bool:
+        if stalled_s.get(instance, 0.0) > progress_timeout_s:
+            return True
+        allowed = max(timeout_s, restart_grace_s) if instance in restarting else timeout_s
+        return now - heard.get(instance, started) > allowed
+
+    return live, frozenset(i for i in (set(expected) | heard.keys()) - live if dead_now(i))
+
+
 class Observer:
     """Tails the metrics topic: heartbeats (liveness), per-batch records and the read reports of batches
     in flight (load), from a minute ago."""
@@ -414,6 +446,11 @@ class Observer:
         self.epochs: dict[str, int] = {}  # instance -> the newest epoch it had read at its last heartbeat
         # Instances the assignment names: one never heard from is dead once the start grace is over.
         self.expected: set[str] = set()
+        # Instances whose pods the platform is (re)starting (a rolling update, a deleted pod): silent for
+        # up to `restart_grace_s` before they count as dead, so that a restart resumes from the
+        # instance's checkpoint instead of recovering its pids elsewhere (decision 0051).
+        self.restarting: frozenset[str] = frozenset()
+        self.restart_grace_s = 0.0
         self.serving: set[str] = set()  # instances whose last heartbeat says their query has run a batch
         self.batches: list[dict[str, Any]] = []
         self.readings: list[dict[str, Any]] = []  # what batches in flight have read (`report_reading`)
@@ -476,18 +513,20 @@ class Observer:
 
     def liveness(self) -> Liveness:
         """Who is live and who is dead now: read once per controller step, so that one step never
-        acts on two answers (a silence crossing the timeout in between). A heartbeating instance whose
-        query has made no progress for `progress_timeout_s` is dead too: its pids would wait forever."""
-        now = self.clock()
-        live = {
-            i: inc
-            for i, (t, inc) in self.seen.items()
-            if now - t <= self.timeout_s and self.stalled_s.get(i, 0.0) <= self.progress_timeout_s
-        }
-        grace_over = now - self.started > self.timeout_s
-        heard_of = self.expected | self.seen.keys()
-        dead = frozenset(i for i in heard_of if i not in live) if grace_over else frozenset()
-        return Liveness(live, dead, {i: inc for i, (_, inc) in self.seen.items()}, dict(self.epochs))
+        acts on two answers (a silence crossing the timeout in between)."""
+        live, dead = judge_liveness(
+            self.clock(),
+            started=self.started,
+            heard={i: t for i, (t, _) in self.seen.items()},
+            expected=self.expected,
+            stalled_s=self.stalled_s,
+            timeout_s=self.timeout_s,
+            progress_timeout_s=self.progress_timeout_s,
+            restarting=self.restarting,
+            restart_grace_s=self.restart_grace_s,
+        )
+        incarnations = {i: inc for i, (_, inc) in self.seen.items()}
+        return Liveness({i: incarnations[i] for i in live}, dead, incarnations, dict(self.epochs))
 
     def close(self) -> None:
         self._consumer.close()
@@ -583,6 +622,11 @@ class KafkaPidMover:
     def await_news(self) -> bool:
         """Wait for the next control message, at most `TICK_S`; True when one came."""
         return self.log.await_news(TICK_S)
+
+    def restarting(self, instances: Collection[str], grace_s: float) -> None:
+        """The instances whose pods are being (re)started: they may be silent for `grace_s` seconds
+        before they count as dead (`Observer.liveness`)."""
+        self.observer.restarting, self.observer.restart_grace_s = frozenset(instances), grace_s
 
     def ready_instances(self) -> set[str]:
         """Live instances whose query has run a batch: pids moved onto them pause no longer than onto

@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
@@ -55,6 +55,7 @@ from controller.workload import (
     failure_status,
     pod_disruption_budget,
     render_status,
+    restarting_instances,
     selector_string,
     service,
     statefulset,
@@ -105,6 +106,10 @@ class PidMover(Protocol):
         """Instances that heartbeat and whose query has run a batch: ready to take pids."""
         ...
 
+    def restarting(self, instances: Collection[str], grace_s: float) -> None:
+        """Instances whose pods Kubernetes is (re)starting: silent up to `grace_s` before they are dead."""
+        ...
+
     def instance_stats(self) -> Mapping[str, InstanceStats]:
         """The latest statistics per instance id (for status); instances that reported nothing are absent."""
         ...
@@ -138,7 +143,9 @@ def make_mover(spec: PipelineSpec) -> PidMover:
 
     from controller.moves import KafkaPidMover
 
-    return KafkaPidMover(spec.to_config(), spec.bootstrap_servers, say=say)
+    return KafkaPidMover(
+        spec.to_config(), spec.bootstrap_servers, heartbeat_timeout_s=spec.heartbeat_timeout_s, say=say
+    )
 
 
 def _of_pipeline(uid: str, key: tuple[str, str]) -> bool:
@@ -509,6 +516,10 @@ class Operator:
         for desired in (config_map(spec), service(spec, self._settings), pod_disruption_budget(spec)):
             self._apply(self._read(desired["kind"], spec.name), desired)
 
+        current = self._read("StatefulSet", spec.name)
+        pods = self._pods(spec.name)
+        wanted = spec.instances(current["spec"]["replicas"] if current is not None else 0)
+        mover.restarting(restarting_instances(pods, wanted), spec.restart_grace_s)
         mover.step()
         self._report_finished_moves(obj, mover.finished())
         previous: dict[str, Any] = obj.get("status") or {}
@@ -517,7 +528,6 @@ class Operator:
         if decided is None and self._plan(spec, mover, mover.releasing()).kind is StepKind.STEADY:
             decided = self._policy_round(obj, spec, mover)  # a released pid holds up no round
 
-        current = self._read("StatefulSet", spec.name)
         before = current["spec"]["replicas"] if current is not None else None
         if self._apply(current, statefulset(spec, self._settings, plan.width)):
             if before is None:
@@ -666,6 +676,10 @@ class Operator:
             ),
         }
         return calls[kind]
+
+    def _pods(self, pipeline: str) -> list[dict[str, Any]]:
+        found = self._core.list_namespaced_pod(self.namespace, label_selector=selector_string(pipeline))
+        return list(_as_dict(self._api, found).get("items", []))
 
     def _read(self, kind: str, name: str) -> dict[str, Any] | None:
         read, _ = self._calls(kind)

@@ -92,6 +92,8 @@ class PipelineSpec:
     policy: str = "flux"
     policy_settings: Mapping[str, float] = field(default_factory=dict)
     """The policy's parameters set in the spec, by their `controller.policies` field names."""
+    heartbeat_timeout_s: float = 10.0
+    restart_grace_s: float = 300.0
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> PipelineSpec:
@@ -121,7 +123,9 @@ class PipelineSpec:
             replicas=int(spec.get("replicas", 3)),
             handoff_mode=HandoffMode(mode),
             bootstrap_servers=kafka["bootstrapServers"],
-            topic_prefix=kafka.get("topicPrefix") or meta["name"],
+            # Topics and transactional ids derive from the prefix: namespaced, so that pipelines of one
+            # name in two namespaces never share a topic or fence each other's transactions.
+            topic_prefix=kafka.get("topicPrefix") or f"{meta['namespace']}.{meta['name']}",
             instance=InstanceConfig(
                 trigger_ms=int(instance.get("triggerMs", 500)),
                 max_rows_per_batch=int(instance.get("maxRowsPerBatch", 200_000)),
@@ -137,6 +141,8 @@ class PipelineSpec:
             storage_class=checkpoint.get("storageClassName") or None,
             policy=policy_name,
             policy_settings={fields[k]: float(v) for k, v in given.items() if k in fields},
+            heartbeat_timeout_s=float(spec.get("liveness", {}).get("heartbeatTimeoutSeconds", 10)),
+            restart_grace_s=float(spec.get("liveness", {}).get("restartGraceSeconds", 300)),
         )
 
     def policy_params(self) -> Any:
@@ -455,6 +461,23 @@ def pod_disruption_budget(spec: PipelineSpec) -> dict[str, Any]:
             },
         }
     )
+
+
+def restarting_instances(pods: Sequence[Mapping[str, Any]], instances: Collection[str]) -> set[str]:
+    """The instances whose pod Kubernetes is replacing or starting: missing (deleted, not yet recreated),
+    terminating, or not Ready. Their silence is a restart, not a death, for a while (decision 0051)."""
+    by_name = {pod["metadata"]["name"]: pod for pod in pods}
+    restarting = set()
+    for name in instances:
+        pod = by_name.get(name)
+        if pod is None or pod["metadata"].get("deletionTimestamp") or not pod_ready(pod):
+            restarting.add(name)
+    return restarting
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def checkpoint_claim_ordinal(pipeline: str, claim_name: str) -> int | None:

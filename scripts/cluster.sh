@@ -280,16 +280,39 @@ make_pause_image() {
 
 ctr_k8s() { ctr --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
 
-# load IMAGE...: Docker engine -> the node's containerd (what `kind load docker-image` does).
+# load IMAGE...: Docker engine -> the node's containerd (what `kind load docker-image` does). An image the
+# node has under the same Docker image id is not copied again; another name of it is only tagged.
 load() {
   running containerd || die "the cluster is not up (scripts/cluster.sh up)"
-  local image
+  local image id ref known stamps="$CONTAINERD_ROOT/loaded"
+  mkdir -p "$stamps"
   for image in "$@"; do
-    docker image inspect "$image" >/dev/null || die "no image $image in the Docker engine"
+    id="$(docker image inspect --format '{{.Id}}' "$image")" || die "no image $image in the Docker engine"
+    ref="$(image_ref "$image")"
+    if [[ "$(cat "$stamps/${ref//\//_}" 2>/dev/null)" == "$id" ]] && ctr_k8s images ls -q | grep -qx "$ref"; then
+      continue
+    fi
     local t0=$SECONDS
-    docker save "$image" | ctr_k8s images import --no-unpack=false - >/dev/null
+    known="$(grep -lx "$id" "$stamps"/* 2>/dev/null | head -n 1 || true)"
+    if [[ -n "$known" ]] && ctr_k8s images ls -q | grep -qx "$(basename "$known" | tr _ /)"; then
+      ctr_k8s images tag --force "$(basename "$known" | tr _ /)" "$ref" >/dev/null
+    else
+      docker save "$image" | ctr_k8s images import - >/dev/null
+    fi
+    echo "$id" >"$stamps/${ref//\//_}"
     log "loaded $image into the node in $((SECONDS - t0)) s"
   done
+}
+
+# The name containerd gives a Docker image: docker.io/library/x:t for x:t, docker.io/u/x:t for u/x:t.
+image_ref() {
+  local name="$1"
+  [[ "$name" == *:* ]] || name="$name:latest"
+  case "$name" in
+    *.*/*|localhost/*|*:*/*) echo "$name" ;;
+    */*) echo "docker.io/$name" ;;
+    *) echo "docker.io/library/$name" ;;
+  esac
 }
 
 api_ready() { kubectl --kubeconfig "$KUBECONFIG_ADMIN" get --raw /readyz; }

@@ -31,6 +31,16 @@ def say(line: str) -> None:
     print(f"[e2e {time.strftime('%H:%M:%S')}] {line}", flush=True)
 
 
+def cluster_running() -> bool:
+    """Whether scripts/cluster.sh's API server runs (the e2e then leaves the cluster running after it)."""
+    out = subprocess.run(["bash", str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True)
+    return "kube-apiserver: running" in out.stdout
+
+
+def cluster_down() -> None:
+    subprocess.run(["bash", str(CLUSTER_SCRIPT), "down"], check=True, capture_output=True)
+
+
 def cluster_up() -> Path:
     """Start the cluster unless it runs (idempotent); its admin kubeconfig."""
     out = subprocess.run(["bash", str(CLUSTER_SCRIPT), "up"], capture_output=True, text=True)

@@ -96,7 +96,7 @@ def test_helm_install_creates_every_object(kube: KubeCluster, namespace: str, cr
     spec = _getpipeline_manifest(kube, namespace, "fj-fluxjoin")["spec"]
     assert spec["kafka"] == {
         "bootstrapServers": f"fj-fluxjoin-kafka.{namespace}.svc:9092",
-        "topicPrefix": "fj-fluxjoin",
+        "topicPrefix": f"{namespace}.fj-fluxjoin",
     }
     assert spec["checkpoint"] == {"size": "5Gi", "storageClassName": "fast"}
     assert (spec["partitions"], spec["replicas"], spec["windowMs"]) == (64, 3, 10000)
@@ -116,9 +116,9 @@ def test_helm_generator_config_is_a_valid_pipeline_config(
     assert data.data is not None
     path.write_text(data.data["fluxjoin.yaml"])
     cfg = load_config(path)
-    assert cfg.pipeline == "fj-fluxjoin"
+    assert cfg.pipeline == f"{namespace}.fj-fluxjoin"  # the operator's default prefix, so topics agree
     assert cfg.bootstrap == f"fj-fluxjoin-kafka.{namespace}.svc:9092"
-    assert cfg.input_topics == ["fj-fluxjoin.in.A", "fj-fluxjoin.in.B", "fj-fluxjoin.in.C"]
+    assert cfg.input_topics == [f"{namespace}.fj-fluxjoin.in.{s}" for s in "ABC"]
     assert cfg.generator.duration_s is None
 
 

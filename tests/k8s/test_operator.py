@@ -15,7 +15,7 @@ import json
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,7 @@ from controller.cli import app
 from controller.operator import LeaseElector, Operator, OperatorOptions, PidMover, serve_health
 from controller.policies.base import InstanceStats, PidStats, Snapshot
 from controller.rounds import FIRST_ROUND_DELAY_S
-from controller.workload import FINALIZER, InstanceSettings, PipelineSpec
+from controller.workload import FINALIZER, InstanceSettings, PipelineSpec, selector_labels
 from tests.k8s.cluster import GROUP, PLURAL, REPO, VERSION, KubeCluster, free_port, pipeline_manifest
 
 CHART = REPO / "charts" / "fluxjoin"
@@ -57,6 +57,8 @@ class RecordingMover:
     """Set by a test: the next `step()` completes the moves (in the thread that steps, as a real
     mover's step completes them when their last message has arrived)."""
     closed: bool = False
+    restarts: tuple[set[str], float] = (set(), 0.0)
+    """What the operator last said of the instances whose pods are (re)starting, and their grace."""
 
     def assignment(self) -> Assignment | None:
         return self.current
@@ -82,6 +84,9 @@ class RecordingMover:
 
     def ready_instances(self) -> set[str]:
         return set(self.ready)
+
+    def restarting(self, instances: Collection[str], grace_s: float) -> None:
+        self.restarts = (set(instances), grace_s)
 
     def step(self) -> None:
         self.ticks += 1
@@ -597,6 +602,40 @@ def test_a_released_pid_holds_up_no_policy_round(
     operator.reconcile_once()
     assert mover.snapshots == 2, "a round ran while the tail is in flight"
     assert _jp(kube, namespace)["status"]["movesInFlight"] == 1
+
+
+# --- restarts ---
+
+
+def test_instances_whose_pods_are_missing_or_not_ready_get_the_restart_grace_of_the_spec(
+    kube: KubeCluster, namespace: str, operator: Operator, movers: Movers
+) -> None:
+    _apply(kube, namespace, "x", partitions=4, replicas=2, liveness={"restartGraceSeconds": 90})
+    operator.reconcile_once()
+    assert movers.by_name["x"].restarts == (set(), 90.0), "no StatefulSet yet: nobody restarts"
+    operator.reconcile_once()
+    assert movers.by_name["x"].restarts == ({"x-0", "x-1"}, 90.0), "no pod exists yet"
+
+    core = kubernetes.client.CoreV1Api(kube.api_client)
+    V1ObjectMeta = kubernetes.client.V1ObjectMeta
+    # No controller-manager here to make the default service account; no kubelet to run the pod.
+    core.create_namespaced_service_account(
+        namespace, kubernetes.client.V1ServiceAccount(metadata=V1ObjectMeta(name="default"))
+    )
+    container = kubernetes.client.V1Container(name="instance", image="fluxjoin:test")
+    pod = kubernetes.client.V1Pod(
+        metadata=V1ObjectMeta(name="x-0", labels=selector_labels("x")),
+        spec=kubernetes.client.V1PodSpec(containers=[container]),
+    )
+    core.create_namespaced_pod(namespace, pod)
+    ready = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    core.patch_namespaced_pod_status("x-0", namespace, ready)
+    operator.reconcile_once()
+    assert movers.by_name["x"].restarts == ({"x-1"}, 90.0)
+    assert _jp(kube, namespace)["spec"]["liveness"] == {
+        "heartbeatTimeoutSeconds": 10,
+        "restartGraceSeconds": 90,
+    }
 
 
 # --- delete ---

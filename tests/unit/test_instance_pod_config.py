@@ -26,15 +26,21 @@ from controller.workload import (
     statefulset,
 )
 from pipeline.config import Config
+from pipeline.sink import transactional_id
 
 SETTINGS = InstanceSettings(image="fluxjoin:test")
 
 
-def _pipeline(name: str, streams: list[str], **spec: Any) -> PipelineSpec:
+def _pipeline(
+    name: str, streams: list[str], namespace: str = "ns", topic_prefix: str | None = None, **spec: Any
+) -> PipelineSpec:
+    kafka = {"bootstrapServers": "kafka.kafka.svc:9092"} | (
+        {"topicPrefix": topic_prefix} if topic_prefix else {}
+    )
     return PipelineSpec.from_object(
         {
-            "metadata": {"name": name, "namespace": "ns", "uid": "u-1", "generation": 1},
-            "spec": {"kafka": {"bootstrapServers": "kafka.kafka.svc:9092"}, "streams": streams, **spec},
+            "metadata": {"name": name, "namespace": namespace, "uid": "u-1", "generation": 1},
+            "spec": {"kafka": kafka, "streams": streams, **spec},
         }
     )
 
@@ -91,7 +97,7 @@ def test_a_pipeline_named_like_a_yaml_number_or_boolean_reaches_its_instances_as
 ) -> None:
     """Valid Kubernetes names and stream names that YAML would read as numbers, booleans or null
     (`123`, `on`) stay strings on the way into the instance: its pods would otherwise crash-loop."""
-    spec = _pipeline(name, streams, windowMs=5000, partitions=16)
+    spec = _pipeline(name, streams, topic_prefix=name, windowMs=5000, partitions=16)
     cfg, started = _start_pod(statefulset(spec, SETTINGS, 1), [config_map(spec)], tmp_path, monkeypatch)
     assert cfg.pipeline == name
     assert cfg.streams == streams
@@ -104,6 +110,27 @@ def test_a_pipeline_named_like_a_yaml_number_or_boolean_reaches_its_instances_as
         None,
     )
     assert started["metrics_port"] == SETTINGS.metrics_port == 9108
+
+
+def test_pipelines_of_one_name_in_two_namespaces_share_no_topic_and_no_transactional_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both run on one Kafka cluster: a shared topic would mix their data, a shared transactional id
+    (`<prefix>.<instance>`) would fence one pipeline's instance with the other's."""
+    configs = []
+    for namespace in ("team-a", "team-b"):
+        spec = _pipeline("demo", ["A", "B"], namespace=namespace)
+        (tmp_path / namespace).mkdir()
+        cfg, started = _start_pod(
+            statefulset(spec, SETTINGS, 1), [config_map(spec)], tmp_path / namespace, monkeypatch
+        )
+        configs.append((cfg, started["name"]))
+    (a, name_a), (b, name_b) = configs
+    assert (a.pipeline, b.pipeline) == ("team-a.demo", "team-b.demo")
+    topics_a = {*a.input_topics, a.results_topic, a.control_topic}
+    assert not topics_a & {*b.input_topics, b.results_topic, b.control_topic}
+    assert name_a == name_b == "demo-0"  # the pods' names agree; what Kafka sees does not
+    assert transactional_id(a, name_a) != transactional_id(b, name_b)
 
 
 def _container(sts: dict[str, Any]) -> dict[str, Any]:

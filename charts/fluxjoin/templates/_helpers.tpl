@@ -57,7 +57,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{- define "fluxjoin.topicPrefix" -}}
-{{- default (include "fluxjoin.pipelineName" .) .Values.pipeline.topicPrefix }}
+{{- default (printf "%s.%s" .Release.Namespace (include "fluxjoin.pipelineName" .)) .Values.pipeline.topicPrefix }}
 {{- end }}
 
 {{- define "fluxjoin.kafkaName" -}}
