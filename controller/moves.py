@@ -649,6 +649,8 @@ class KafkaPidMover:
                 instance=i,
                 busy_fraction=busy_fraction(described_by(h, since)),
                 state_bytes=sum(p["state_bytes"] for p in h[-1]["pids"].values()),
+                tuples_per_s=sum(b.get("tuples_in", 0) for b in h if b["time_ms"] >= since) / window_s,
+                lag=sum(h[-1].get("lag", {}).values()),
             )
             for i, h in sorted(history.items())
         }

@@ -610,8 +610,16 @@ def render_status(observed: Observed, previous: Mapping[str, Any], now: str) -> 
         if stats is not None:
             entry["load"] = stats.busy_fraction
             entry["stateBytes"] = stats.state_bytes
+            if stats.tuples_per_s is not None:
+                entry["tuplesPerSecond"] = round(stats.tuples_per_s, 1)
+            if stats.lag is not None:
+                entry["lag"] = stats.lag
         instances.append(entry)
     status["instances"] = instances
+    reported = [observed.stats[e["name"]] for e in instances if e["name"] in observed.stats]
+    if reported:
+        status["tuplesPerSecond"] = round(sum(s.tuples_per_s or 0.0 for s in reported), 1)
+        status["lag"] = sum(s.lag or 0 for s in reported)
 
     status["lastDecision"] = observed.decision or previous.get("lastDecision") or observed.plan.reason
     ready, reason = ready_reason(observed)

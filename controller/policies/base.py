@@ -45,6 +45,10 @@ class InstanceStats:
     progress: float | None = None
     """The demand its own progress shows, one of the two figures `demand` is the larger of (decision
     0032); kept so that a round's log line says which one decided. None when not measured."""
+    tuples_per_s: float | None = None
+    """Input tuples it joined per second over the statistics interval (for status; no policy reads it)."""
+    lag: int | None = None
+    """Kafka messages behind the end of its pids' input partitions at its newest batch (for status)."""
 
     @property
     def load(self) -> float:

@@ -290,6 +290,8 @@ def test_status_subresource_feeds_scale_and_printer_columns(
                 {"instance": "x-1", "pids": "4-7", "count": 4},
             ],
             "movesInFlight": 1,
+            "tuplesPerSecond": 1234.5,
+            "lag": 10,
             "moves": [
                 {"pid": 3, "from": "x-0", "to": "x-1", "mode": "transfer", "phase": "exporting", "epoch": 8}
             ],
@@ -331,9 +333,10 @@ def test_status_subresource_feeds_scale_and_printer_columns(
 
     table = kube.kubectl("get", "-n", namespace, "joinpipeline/x").stdout.split("\n")
     assert table[0].split() == [
-        "NAME", "REPLICAS", "READY", "PARTITIONS", "WINDOW", "POLICY", "EPOCH", "MOVES", "STATUS", "AGE"
+        "NAME", "REPLICAS", "READY", "PARTITIONS", "WINDOW", "POLICY", "EPOCH", "MOVES", "TUPLES/S", "LAG",
+        "STATUS", "AGE",
     ]  # fmt: skip
-    assert table[1].split()[:9] == ["x", "2", "2", "8", "10000", "flux", "7", "1", "Running"]
+    assert table[1].split()[:11] == ["x", "2", "2", "8", "10000", "flux", "7", "1", "1234.5", "10", "Running"]
 
     bad_status = '{"status":{"conditions":[{"type":"Ready","status":"Maybe"}]}}'
     out = kube.kubectl(

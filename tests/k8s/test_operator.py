@@ -350,15 +350,19 @@ def test_a_new_pipeline_gets_its_statefulset_service_and_status(
 
     # The instance pods show up as ready: status follows; then a round with nothing new writes nothing.
     movers.by_name["x"].ready = {"x-0", "x-1", "x-2"}
-    movers.by_name["x"].stats = {"x-1": InstanceStats("x-1", busy_fraction=0.5, state_bytes=4096)}
+    movers.by_name["x"].stats = {
+        "x-1": InstanceStats("x-1", busy_fraction=0.5, state_bytes=4096, tuples_per_s=812.25, lag=17)
+    }
     operator.reconcile_once()
     status = _jp(kube, namespace)["status"]
     assert _ready(status) == ("True", "Running")
     assert status["instances"] == [
         {"name": "x-0", "ready": True, "pids": 3},
-        {"name": "x-1", "ready": True, "pids": 3, "load": 0.5, "stateBytes": 4096},
+        {"name": "x-1", "ready": True, "pids": 3, "load": 0.5, "stateBytes": 4096, "tuplesPerSecond": 812.2,
+         "lag": 17},
         {"name": "x-2", "ready": True, "pids": 2},
-    ]
+    ]  # fmt: skip
+    assert (status["tuplesPerSecond"], status["lag"]) == (812.2, 17)
     assert movers.by_name["x"].ticks == 2, "the mover is ticked once per round"
     versions, events = _versions(kube, namespace), _events(kube, namespace)
     operator.reconcile_once()
@@ -368,7 +372,7 @@ def test_a_new_pipeline_gets_its_statefulset_service_and_status(
     assert len(movers.by_name["x"].calls) == 1
 
     row = kube.kubectl("get", "-n", namespace, "jp/x", "--no-headers").stdout.split()
-    assert row[:9] == ["x", "3", "3", "8", "10000", "flux", "0", "0", "Running"]
+    assert row[:11] == ["x", "3", "3", "8", "10000", "flux", "0", "0", "812.2", "17", "Running"]
 
 
 def test_the_instance_image_defaults_to_the_operators_and_spec_changes_update_the_template(
@@ -480,7 +484,7 @@ def test_kubectl_scale_out_grows_the_statefulset_then_moves_pids_onto_ready_inst
         ("MoveCompleted", "pid 5: x-1 -> x-3 (epoch 1)"),
     ]
     row = kube.kubectl("get", "-n", namespace, "jp/x", "--no-headers").stdout.split()
-    assert row[:9] == ["x", "4", "4", "8", "10000", "flux", "1", "0", "Running"]
+    assert row[:9] == ["x", "4", "4", "8", "10000", "flux", "1", "0", "Running"]  # no figures yet: blank
 
 
 def test_kubectl_scale_in_drains_first_and_shrinks_only_when_the_ordinals_own_nothing(
