@@ -572,6 +572,7 @@ class KafkaPidMover:
         )
         self._producer.init_transactions(60)
         self._fenced: set[str] = set()  # "instance@incarnation" whose transactional id was fenced
+        self._pods_ready: frozenset[str] | None = None  # Ready instance pods, when on Kubernetes (`pods`)
         self._requested: dict[str, MoveSpec] = {}
         self._said_before: set[str] = set()
         # Read by the operator every round; a local controller reports moves by its log lines and never
@@ -623,10 +624,13 @@ class KafkaPidMover:
         """Wait for the next control message, at most `TICK_S`; True when one came."""
         return self.log.await_news(TICK_S)
 
-    def restarting(self, instances: Collection[str], grace_s: float) -> None:
-        """The instances whose pods are being (re)started: they may be silent for `grace_s` seconds
-        before they count as dead (`Observer.liveness`)."""
-        self.observer.restarting, self.observer.restart_grace_s = frozenset(instances), grace_s
+    def pods(self, ready: Collection[str], restarting: Collection[str], grace_s: float) -> None:
+        """What Kubernetes says of the instance pods. Only instances whose pod is Ready (and wanted) may
+        take pids: a heartbeat from the last minute also comes from an instance scaled in a moment ago,
+        and a controller that has just started would move pids onto it. Instances whose pods are being
+        (re)started may be silent for `grace_s` seconds before they count as dead (`Observer.liveness`)."""
+        self._pods_ready = frozenset(ready)
+        self.observer.restarting, self.observer.restart_grace_s = frozenset(restarting), grace_s
 
     def ready_instances(self) -> set[str]:
         """Live instances whose query has run a batch: pids moved onto them pause no longer than onto
@@ -635,7 +639,8 @@ class KafkaPidMover:
         a = self.log.catch_up().assignment
         evicted = set(a.evicted) if a is not None else set()
         live = self.observer.liveness().live
-        return {i for i, inc in live.items() if f"{i}@{inc}" not in evicted} & self.observer.serving
+        ready = {i for i, inc in live.items() if f"{i}@{inc}" not in evicted} & self.observer.serving
+        return ready if self._pods_ready is None else ready & self._pods_ready
 
     def instance_stats(self, window_s: float = 10.0) -> Mapping[str, InstanceStats]:
         """Busy fraction of the batches that ended in the last `window_s` seconds (`described_by`) and

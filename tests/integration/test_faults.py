@@ -55,3 +55,41 @@ def test_a_broker_silent_for_20_s_mid_run_stalls_the_instances_and_loses_nothing
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
     assert report.expected > 1_000, report.describe()
     assert report.exact, report.describe()
+
+
+def test_a_broker_stopped_and_started_again_mid_run_loses_nothing(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """The broker's container is stopped (the broker shuts down: every connection is closed and refused)
+    for 20 s while the generator writes and two instances read, then started again (same log, a new
+    broker epoch). Instances and generator must ride it out and the output must be exact."""
+    cfg = small_config(
+        topic_prefix,
+        "generator.mode=real_time",
+        "generator.duration_s=50",
+        "generator.rate={kind: constant, rate: 500}",
+        "generator.keys={kind: uniform, count: 1000}",
+    )
+    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
+    broker = _broker(kafka_bootstrap)
+    try:
+        pipeline.start_instance("instance-0", range(0, 4))
+        pipeline.start_instance("instance-1", range(4, 8))
+        pipeline.wait_running(["instance-0", "instance-1"])
+        generator = threading.Thread(target=run_generator, args=(cfg, kafka_bootstrap))
+        generator.start()
+        time.sleep(10)
+        broker.stop(timeout=30)
+        try:
+            time.sleep(20)
+        finally:
+            broker.start()
+        generator.join(timeout=240)
+        assert not generator.is_alive(), "the generator did not finish after the broker came back"
+        wait_drained(pipeline, timeout_s=300)
+        pipeline.check_alive()
+    finally:
+        pipeline.stop()
+    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
+    assert report.expected > 1_000, report.describe()
+    assert report.exact, report.describe()

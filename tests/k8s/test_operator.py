@@ -58,6 +58,7 @@ class RecordingMover:
     mover's step completes them when their last message has arrived)."""
     closed: bool = False
     restarts: tuple[set[str], float] = (set(), 0.0)
+    pods_ready: set[str] = field(default_factory=set)
     """What the operator last said of the instances whose pods are (re)starting, and their grace."""
 
     def assignment(self) -> Assignment | None:
@@ -85,8 +86,9 @@ class RecordingMover:
     def ready_instances(self) -> set[str]:
         return set(self.ready)
 
-    def restarting(self, instances: Collection[str], grace_s: float) -> None:
-        self.restarts = (set(instances), grace_s)
+    def pods(self, ready: Collection[str], restarting: Collection[str], grace_s: float) -> None:
+        self.restarts = (set(restarting), grace_s)
+        self.pods_ready = set(ready)
 
     def step(self) -> None:
         self.ticks += 1
@@ -611,7 +613,7 @@ def test_a_released_pid_holds_up_no_policy_round(
 # --- restarts ---
 
 
-def test_instances_whose_pods_are_missing_or_not_ready_get_the_restart_grace_of_the_spec(
+def test_only_ready_pods_may_take_pids_and_missing_or_unready_ones_get_the_restart_grace(
     kube: KubeCluster, namespace: str, operator: Operator, movers: Movers
 ) -> None:
     _apply(kube, namespace, "x", partitions=4, replicas=2, liveness={"restartGraceSeconds": 90})
@@ -636,6 +638,7 @@ def test_instances_whose_pods_are_missing_or_not_ready_get_the_restart_grace_of_
     core.patch_namespaced_pod_status("x-0", namespace, ready)
     operator.reconcile_once()
     assert movers.by_name["x"].restarts == ({"x-1"}, 90.0)
+    assert movers.by_name["x"].pods_ready == {"x-0"}
     assert _jp(kube, namespace)["spec"]["liveness"] == {
         "heartbeatTimeoutSeconds": 10,
         "restartGraceSeconds": 90,
