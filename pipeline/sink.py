@@ -74,11 +74,14 @@ from pipeline.source import TRACK_OLD, write_results_per_tuple, write_watermarks
 from pipeline.topics import BOUNDED_READ, partition_offsets, read_topic
 
 LATE_REASON = "late: event time below its input partition's newest before it minus the allowed lateness"
-# A batch whose transaction the broker aborted (a broker away for longer than the transaction timeout)
-# is produced again in a new one, up to this many times, backing off 2, 4, 8... s; a commit or abort
-# the broker answers with a retriable error is tried again for up to TRANSACTION_RETRY_S.
+# A batch whose transaction the broker aborted for a reason other than an outage is produced again in a
+# new one, up to this many times, backing off 2, 4, 8... s; one that met an outage (the broker away,
+# unreachable or timing out: `_outage`) is produced again until the broker is back, however long that
+# takes, backing off up to OUTAGE_BACKOFF_S; a commit or abort the broker answers with a retriable error
+# is tried again until it succeeds. An instance never gives up on a broker: its liveness probe and the
+# controller's progress timeout judge a batch that does not end (decisions 0048, 0052).
 TRANSACTION_ATTEMPTS = 8
-TRANSACTION_RETRY_S = 300.0
+OUTAGE_BACKOFF_S = 10.0
 TRANSACTION_TIMEOUT_S = 15.0
 """The broker aborts a transaction open for longer. A killed instance's open transaction holds back
 read_committed readers of every topic it wrote to (the control log among them) until then: keep it
@@ -91,6 +94,29 @@ transaction for lasting too long: no later call of it can succeed. `_FATAL` is w
 after the first of those, raised in librdkafka's own thread (a frozen process wakes to it)."""
 LAG_TIMEOUT_S = 5.0  # how long a batch waits for the input's end offsets, a metrics figure
 SNAPSHOT_CHUNK_BYTES = 900_000  # keeps each exported-window message under Kafka's 1 MB default
+
+
+OUTAGE_ERRORS = frozenset(
+    {
+        KafkaError._TIMED_OUT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError._TRANSPORT,
+        KafkaError._MSG_TIMED_OUT,
+        KafkaError._RESOLVE,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError.NETWORK_EXCEPTION,
+    }
+)
+"""Answers that mean the broker is away or unreachable, not that the request is wrong."""
+
+
+def _outage(exc: Exception) -> bool:
+    """Whether a batch's failure says the broker is away (a timeout of the client's own, a connection
+    refused or cut, a request that timed out): weather to wait out, not a reason to stop."""
+    if isinstance(exc, TimeoutError):
+        return True
+    error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+    return error is not None and (error.code() in OUTAGE_ERRORS or error.retriable())
 
 
 def _stream_max_columns(
@@ -282,6 +308,7 @@ class ExactlyOnceSink:
         names = eviction_entries(instance, incarnation)
         self.evictions = Evictions(bootstrap, cfg.control_topic, names, self.admin)
         self._begun = time.monotonic()  # when the batch's transaction began
+        self._in_transaction = False
         self._delivered: dict[int, int] = {}
         self._undelivered: dict[int, KafkaError] = {}
         self.last_end = time.monotonic()
@@ -329,19 +356,31 @@ class ExactlyOnceSink:
     def _attempts(
         self, batch_id: int, write: Callable[[], tuple[dict[str, Any], int]]
     ) -> tuple[dict[str, Any], int]:
-        """`write` (the batch's `_write`), again in a new transaction while the broker aborts it
-        (decision 0048)."""
-        for attempt in range(1, TRANSACTION_ATTEMPTS):
+        """`write` (the batch's `_write`), again in a new transaction while the broker aborts it or is
+        away (decisions 0048, 0052). The output is the same every time; an aborted attempt is invisible
+        to read_committed readers."""
+        aborted = outages = 0
+        while True:
             try:
                 return write()
-            except KafkaException as exc:
-                error = exc.args[0]
-                if not error.txn_requires_abort():
+            except (KafkaException, TimeoutError) as exc:
+                error = exc.args[0] if isinstance(exc, KafkaException) else None
+                if error is not None and error.code() in FENCED_ERRORS:
                     raise
-                print(f"{self.instance}: batch {batch_id} not committed ({error.str()}); again", flush=True)
-                self._retrying(self.producer.abort_transaction)
-                time.sleep(min(30.0, 2.0**attempt))
-        return write()
+                if _outage(exc):
+                    outages += 1
+                    pause_s = min(OUTAGE_BACKOFF_S, 2.0**outages)
+                else:
+                    aborted += 1
+                    if error is None or not error.txn_requires_abort() or aborted >= TRANSACTION_ATTEMPTS:
+                        raise
+                    pause_s = min(30.0, 2.0**aborted)
+                reason = error.str() if error is not None else str(exc)
+                print(f"{self.instance}: batch {batch_id} not committed ({reason}); again in {pause_s:g} s",
+                      flush=True)  # fmt: skip
+                if self._in_transaction:
+                    self._retrying(self.producer.abort_transaction)
+                time.sleep(pause_s)
 
     def _taken_over(self, batch_id: int, error: KafkaError) -> RuntimeError:
         """Why the producer reads as fenced. The broker answers alike when another producer initialised
@@ -368,7 +407,7 @@ class ExactlyOnceSink:
         """One transaction with the batch's whole output, its commit marker and its metrics; returns
         the metrics and the number of results."""
         self.producer.begin_transaction()
-        self._begun = time.monotonic()
+        self._begun, self._in_transaction = time.monotonic(), True
         results = self._produce_results(columns, kind == KIND_RESULT)
         late = self._produce_dead_letters(columns, kind == KIND_LATE, "late")
         malformed = self._produce_dead_letters(columns, kind == KIND_MALFORMED, "malformed")
@@ -393,17 +432,17 @@ class ExactlyOnceSink:
 
     def _retrying(self, call: Callable[[float], None]) -> None:
         """Commit or abort, again while the broker answers that it may yet succeed (it is away: a
-        restart, a network silence), for up to TRANSACTION_RETRY_S."""
-        deadline = time.monotonic() + TRANSACTION_RETRY_S
+        restart, a network silence), however long that takes; either ends the transaction."""
         while True:
             try:
                 call(60)
-                return
+                break
             except KafkaException as exc:
-                if not exc.args[0].retriable() or time.monotonic() > deadline:
+                if not exc.args[0].retriable():
                     raise
                 print(f"{self.instance}: {exc.args[0].str()}; trying again", flush=True)
                 time.sleep(1.0)
+        self._in_transaction = False
 
     def _note_watermarks(
         self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray

@@ -129,6 +129,9 @@ def _check_partitions(spec: TopicSpec, actual: int) -> None:
         )
 
 
+_BROKER_AWAY = frozenset({KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT, KafkaError.NOT_CONTROLLER})
+
+
 def ensure_topics(cfg: Config, bootstrap: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Create the pipeline's missing topics and check the partition counts of all of them.
 
@@ -144,19 +147,30 @@ def ensure_topics(cfg: Config, bootstrap: str, timeout_s: float = DEFAULT_TIMEOU
         if spec.name in existing:
             _check_partitions(spec, existing[spec.name])
     missing = [s for s in specs if s.name not in existing]
-    if missing:
+    # A broker that is restarting answers a creation with a timeout (its controller not yet reachable):
+    # asked again, up to VISIBLE_TIMEOUT_S, like every other request to a broker that is away.
+    deadline = time.monotonic() + max(timeout_s, VISIBLE_TIMEOUT_S)
+    while missing:
         # replication_factor=-1: the broker's default (1 on a single-node broker, 3 on a real cluster).
         futures = admin.create_topics(
             [NewTopic(s.name, s.partitions, -1, config=dict(s.config)) for s in missing],
             request_timeout=timeout_s,
         )
+        again: list[str] = []
         for name, fut in futures.items():
             try:
                 fut.result()
             except KafkaException as exc:
                 err = exc.args[0]
-                if not (isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
+                if isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                    continue
+                away = isinstance(err, KafkaError) and (err.retriable() or err.code() in _BROKER_AWAY)
+                if not away or time.monotonic() > deadline:
                     raise TopicError(f"cannot create topic {name}: {err}") from None
+                again.append(name)
+        missing = [s for s in missing if s.name in again]
+        if missing:
+            time.sleep(1.0)
     _await_visible(admin, bootstrap, specs, max(timeout_s, VISIBLE_TIMEOUT_S))
     # Metadata names a new partition's leader before that broker has loaded the partition, and a
     # write in that gap fails with NOT_LEADER_OR_FOLLOWER. With an idempotent producer that is not a
@@ -361,7 +375,17 @@ def partition_offsets(
         try:
             isolation = IsolationLevel.READ_COMMITTED if committed else IsolationLevel.READ_UNCOMMITTED
             futures = admin.list_offsets(request, isolation_level=isolation, request_timeout=timeout_s)
-            return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
+            found = {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
+            # A broker that has just restarted can answer before it knows a partition's offsets:
+            # OFFSET_INVALID (-1001), never an offset to read from or commit (-1 is only "no offset at
+            # or after `at_ms`").
+            unknown = sorted(tp for tp, offset in found.items() if offset < (-1 if at_ms is not None else 0))
+            if not unknown:
+                return found
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the broker did not know the offsets of {unknown} within {timeout_s:g} s")
+            time.sleep(0.2)
+            continue
         except KafkaException as exc:
             error = exc.args[0]
             retry = error.retriable() or error.code() in _LEADER_NOT_READY

@@ -1,8 +1,7 @@
 """The single-node cluster of scripts/cluster.sh, driven as a user drives it: kubectl, helm, images loaded.
 
-Nothing here knows fluxjoin's internals: the e2e test installs the chart, changes the pipeline with
-kubectl and helm, injects faults on the node, and asks the oracle (`fluxjoin verify`, run as a Job in the
-cluster) whether the results are exact.
+The e2e test installs the chart, changes the pipeline with kubectl and helm, injects faults on the node,
+and asks the oracle (`fluxjoin verify`, run as a Job in the cluster) whether the results are exact.
 """
 
 from __future__ import annotations
@@ -107,11 +106,6 @@ class Kube:
             self.kubectl("get", "events", "--sort-by=.lastTimestamp", check=False)[-3000:],
         ]
         return "\n".join(parts)
-
-
-def pod_ready(pod: dict[str, Any]) -> bool:
-    conditions = pod.get("status", {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
 def kubelet_pid() -> int:

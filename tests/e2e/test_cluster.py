@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from controller.kafka_runtime import build_broker_image
-from controller.workload import PIPELINE_LABEL
+from controller.workload import PIPELINE_LABEL, pod_ready
 from tests.e2e.kube import (
     REPO,
     Kube,
@@ -31,7 +31,6 @@ from tests.e2e.kube import (
     helm_values,
     last_json_line,
     load_images,
-    pod_ready,
     run_job,
     say,
     stop_kubelet,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import docker
+import pytest
 
 from controller.local import LocalPipeline, wait_drained
 from generator.producer import run_generator
@@ -20,21 +22,20 @@ def _broker(bootstrap: str) -> docker.models.containers.Container:
     return docker.from_env().containers.get(f"fluxjoin-test-kafka-{port}")
 
 
-def test_a_broker_silent_for_20_s_mid_run_stalls_the_instances_and_loses_nothing(
-    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+def _run_through(
+    fault: Callable[[], None], kafka_bootstrap: str, topic_prefix: str, tmp_path: Path, duration_s: int
 ) -> None:
-    """The broker's container is paused (every connection goes silent, nothing is closed) for 20 s
-    while the generator writes and two instances read; then it goes on. The instances must ride it
-    out and the output must be exact."""
+    """Two instances read what the generator writes in real time (500 tuples/s for `duration_s`);
+    10 s in, `fault` runs (and returns once the broker is back). The instances and the generator must
+    ride it out, and the output must be exact."""
     cfg = small_config(
         topic_prefix,
         "generator.mode=real_time",
-        "generator.duration_s=45",
+        f"generator.duration_s={duration_s}",
         "generator.rate={kind: constant, rate: 500}",
         "generator.keys={kind: uniform, count: 1000}",
     )
     pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
-    broker = _broker(kafka_bootstrap)
     try:
         pipeline.start_instance("instance-0", range(0, 4))
         pipeline.start_instance("instance-1", range(4, 8))
@@ -42,48 +43,7 @@ def test_a_broker_silent_for_20_s_mid_run_stalls_the_instances_and_loses_nothing
         generator = threading.Thread(target=run_generator, args=(cfg, kafka_bootstrap))
         generator.start()
         time.sleep(10)
-        broker.pause()
-        try:
-            time.sleep(20)
-        finally:
-            broker.unpause()
-        generator.join(timeout=180)
-        wait_drained(pipeline, timeout_s=300)
-        pipeline.check_alive()
-    finally:
-        pipeline.stop()
-    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
-    assert report.expected > 1_000, report.describe()
-    assert report.exact, report.describe()
-
-
-def test_a_broker_stopped_and_started_again_mid_run_loses_nothing(
-    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
-) -> None:
-    """The broker's container is stopped (the broker shuts down: every connection is closed and refused)
-    for 20 s while the generator writes and two instances read, then started again (same log, a new
-    broker epoch). Instances and generator must ride it out and the output must be exact."""
-    cfg = small_config(
-        topic_prefix,
-        "generator.mode=real_time",
-        "generator.duration_s=50",
-        "generator.rate={kind: constant, rate: 500}",
-        "generator.keys={kind: uniform, count: 1000}",
-    )
-    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
-    broker = _broker(kafka_bootstrap)
-    try:
-        pipeline.start_instance("instance-0", range(0, 4))
-        pipeline.start_instance("instance-1", range(4, 8))
-        pipeline.wait_running(["instance-0", "instance-1"])
-        generator = threading.Thread(target=run_generator, args=(cfg, kafka_bootstrap))
-        generator.start()
-        time.sleep(10)
-        broker.stop(timeout=30)
-        try:
-            time.sleep(20)
-        finally:
-            broker.start()
+        fault()
         generator.join(timeout=240)
         assert not generator.is_alive(), "the generator did not finish after the broker came back"
         wait_drained(pipeline, timeout_s=300)
@@ -93,3 +53,37 @@ def test_a_broker_stopped_and_started_again_mid_run_loses_nothing(
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
     assert report.expected > 1_000, report.describe()
     assert report.exact, report.describe()
+
+
+def test_a_broker_silent_for_20_s_mid_run_stalls_the_instances_and_loses_nothing(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """The broker's container is paused (every connection goes silent, nothing is closed) for 20 s."""
+    broker = _broker(kafka_bootstrap)
+
+    def pause() -> None:
+        broker.pause()
+        try:
+            time.sleep(20)
+        finally:
+            broker.unpause()
+
+    _run_through(pause, kafka_bootstrap, topic_prefix, tmp_path, duration_s=45)
+
+
+@pytest.mark.parametrize("outage_s", [20, 120])
+def test_a_broker_stopped_and_started_again_mid_run_loses_nothing(
+    outage_s: int, kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """The broker's container is stopped (the broker shuts down: every connection is closed and refused)
+    for `outage_s`, then started again (same log, a new broker epoch)."""
+    broker = _broker(kafka_bootstrap)
+
+    def stop_and_start() -> None:
+        broker.stop(timeout=30)
+        try:
+            time.sleep(outage_s)
+        finally:
+            broker.start()
+
+    _run_through(stop_and_start, kafka_bootstrap, topic_prefix, tmp_path, duration_s=50)
