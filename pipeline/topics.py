@@ -382,8 +382,9 @@ def partition_offsets(
             unknown = sorted(tp for tp, offset in found.items() if offset < (-1 if at_ms is not None else 0))
             if not unknown:
                 return found
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the broker did not know the offsets of {unknown} within {timeout_s:g} s")
+            if time.monotonic() > deadline:  # what the client's own timeout raises: callers handle it
+                reason = f"the broker did not know the offsets of {unknown} within {timeout_s:g} s"
+                raise KafkaException(KafkaError(KafkaError._TIMED_OUT, reason))
             time.sleep(0.2)
             continue
         except KafkaException as exc:

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from typing import Any, cast
 
 import pytest
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from pipeline.topics import partition_offsets
@@ -58,8 +58,9 @@ def test_offsets_the_broker_does_not_know_yet_are_asked_again() -> None:
 
 def test_offsets_still_unknown_at_the_deadline_are_an_error_not_an_answer() -> None:
     broker = RestartingBroker({("in.A", 0): 500}, unknown_for=10**6)
-    with pytest.raises(TimeoutError, match="did not know the offsets"):
+    with pytest.raises(KafkaException, match="did not know the offsets") as raised:
         partition_offsets(_admin(broker), [("in.A", 0)], timeout_s=0.5)
+    assert raised.value.args[0].code() == KafkaError._TIMED_OUT, "an outage, to every caller"
 
 
 def test_no_offset_at_or_after_a_time_is_an_answer() -> None:
