@@ -71,15 +71,15 @@ from pipeline.protocol import (
     handoff_from_json,
 )
 from pipeline.source import TRACK_OLD, write_results_per_tuple, write_watermarks
-from pipeline.topics import BOUNDED_READ, partition_offsets, read_topic
+from pipeline.topics import BOUNDED_READ, broker_away, partition_offsets, read_topic
 
 LATE_REASON = "late: event time below its input partition's newest before it minus the allowed lateness"
 # A batch whose transaction the broker aborted for a reason other than an outage is produced again in a
 # new one, up to this many times, backing off 2, 4, 8... s; one that met an outage (the broker away,
-# unreachable or timing out: `_outage`) is produced again until the broker is back, however long that
-# takes, backing off up to OUTAGE_BACKOFF_S; a commit or abort the broker answers with a retriable error
-# is tried again until it succeeds. An instance never gives up on a broker: its liveness probe and the
-# controller's progress timeout judge a batch that does not end (decisions 0048, 0052).
+# unreachable or timing out: `topics.broker_away`) is produced again until the broker is back, however
+# long that takes, backing off up to OUTAGE_BACKOFF_S; a commit or abort the broker answers with a
+# retriable error is tried again until it succeeds. An instance never gives up on a broker: its liveness
+# probe and the controller's progress timeout judge a batch that does not end (decisions 0048, 0052).
 TRANSACTION_ATTEMPTS = 8
 OUTAGE_BACKOFF_S = 10.0
 TRANSACTION_TIMEOUT_S = 15.0
@@ -94,29 +94,6 @@ transaction for lasting too long: no later call of it can succeed. `_FATAL` is w
 after the first of those, raised in librdkafka's own thread (a frozen process wakes to it)."""
 LAG_TIMEOUT_S = 5.0  # how long a batch waits for the input's end offsets, a metrics figure
 SNAPSHOT_CHUNK_BYTES = 900_000  # keeps each exported-window message under Kafka's 1 MB default
-
-
-OUTAGE_ERRORS = frozenset(
-    {
-        KafkaError._TIMED_OUT,
-        KafkaError._ALL_BROKERS_DOWN,
-        KafkaError._TRANSPORT,
-        KafkaError._MSG_TIMED_OUT,
-        KafkaError._RESOLVE,
-        KafkaError.REQUEST_TIMED_OUT,
-        KafkaError.NETWORK_EXCEPTION,
-    }
-)
-"""Answers that mean the broker is away or unreachable, not that the request is wrong."""
-
-
-def _outage(exc: Exception) -> bool:
-    """Whether a batch's failure says the broker is away (a timeout of the client's own, a connection
-    refused or cut, a request that timed out): weather to wait out, not a reason to stop."""
-    if isinstance(exc, TimeoutError):
-        return True
-    error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-    return error is not None and (error.code() in OUTAGE_ERRORS or error.retriable())
 
 
 def _stream_max_columns(
@@ -367,7 +344,7 @@ class ExactlyOnceSink:
                 error = exc.args[0] if isinstance(exc, KafkaException) else None
                 if error is not None and error.code() in FENCED_ERRORS:
                     raise
-                if _outage(exc):
+                if broker_away(exc):
                     outages += 1
                     pause_s = min(OUTAGE_BACKOFF_S, 2.0**outages)
                 else:

@@ -432,14 +432,26 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         """Each stream's earliest or latest offsets of `pids`. The latest are the last stable offsets:
         the ranges are read `read_committed`, which ends there, and a batch planned up to the high
         watermark would skip for ever what an upstream transaction open at the plan later commits."""
+        from confluent_kafka import KafkaException
         from confluent_kafka.admin import AdminClient
 
-        from pipeline.topics import partition_offsets
+        from pipeline.topics import broker_away, partition_offsets
 
         if self._admin is None:
             self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
         wanted = [(t, p) for t in self.topics for p in pids]
-        found = partition_offsets(self._admin, wanted, spec == "latest", committed=True)
+        while True:  # a broker that is away is waited for, however long (decision 0052)
+            try:
+                found = partition_offsets(self._admin, wanted, spec == "latest", committed=True)
+                break
+            except KafkaException as exc:
+                if not broker_away(exc):
+                    raise
+                print(
+                    f"{self.instance}: input offsets unknown, the broker is away ({exc}); asking again",
+                    flush=True,
+                )
+                time.sleep(2.0)
         topic_to_stream = dict(zip(self.topics, self.streams, strict=True))
         out: dict[str, dict[str, int]] = {s: {} for s in self.streams}
         for (topic, pid), offset in found.items():

@@ -129,7 +129,41 @@ def _check_partitions(spec: TopicSpec, actual: int) -> None:
         )
 
 
-_BROKER_AWAY = frozenset({KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT, KafkaError.NOT_CONTROLLER})
+# Errors a partition answers with while its new leader loads it, while a broker that went silent
+# comes back with a newer leader epoch than the client's metadata, or while the client knows no leader
+# at all (`_NOENT`, "No leaders found": the broker is away): retried until the deadline.
+LEADER_NOT_READY = frozenset(
+    {
+        KafkaError._NOENT,
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.FENCED_LEADER_EPOCH,
+        KafkaError.UNKNOWN_LEADER_EPOCH,
+        KafkaError.OFFSET_NOT_AVAILABLE,
+    }
+)
+BROKER_AWAY = (LEADER_NOT_READY - {KafkaError.UNKNOWN_TOPIC_OR_PART}) | {
+    KafkaError._TIMED_OUT,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._TRANSPORT,
+    KafkaError._MSG_TIMED_OUT,
+    KafkaError._RESOLVE,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NETWORK_EXCEPTION,
+    KafkaError.NOT_CONTROLLER,
+}
+"""Answers that mean the broker is away, restarting or not serving a partition yet, not that the request
+is wrong (decision 0052). A topic the broker does not know is not among them: it may be gone for good."""
+
+
+def broker_away(exc: BaseException) -> bool:
+    """Whether a failure says the broker is away (a timeout of the client's own, a connection refused
+    or cut, no leader yet, a request that timed out): weather to wait out, not a reason to stop."""
+    if isinstance(exc, TimeoutError):
+        return True
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    return isinstance(error, KafkaError) and (error.retriable() or error.code() in BROKER_AWAY)
 
 
 def ensure_topics(cfg: Config, bootstrap: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -164,8 +198,7 @@ def ensure_topics(cfg: Config, bootstrap: str, timeout_s: float = DEFAULT_TIMEOU
                 err = exc.args[0]
                 if isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
                     continue
-                away = isinstance(err, KafkaError) and (err.retriable() or err.code() in _BROKER_AWAY)
-                if not away or time.monotonic() > deadline:
+                if not broker_away(exc) or time.monotonic() > deadline:
                     raise TopicError(f"cannot create topic {name}: {err}") from None
                 again.append(name)
         missing = [s for s in missing if s.name in again]
@@ -331,22 +364,6 @@ def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float =
             time.sleep(0.2)
 
 
-# Errors a partition answers with while its new leader loads it, while a broker that went silent
-# comes back with a newer leader epoch than the client's metadata, or while the client knows no leader
-# at all (`_NOENT`, "No leaders found": the broker is away): retried until the deadline.
-_LEADER_NOT_READY = frozenset(
-    {
-        KafkaError._NOENT,
-        KafkaError.NOT_LEADER_FOR_PARTITION,
-        KafkaError.LEADER_NOT_AVAILABLE,
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
-        KafkaError.FENCED_LEADER_EPOCH,
-        KafkaError.UNKNOWN_LEADER_EPOCH,
-        KafkaError.OFFSET_NOT_AVAILABLE,
-    }
-)
-
-
 # Of those, the answers that mean the client's metadata is older than the broker's: refreshed first.
 _STALE_METADATA = frozenset({KafkaError.FENCED_LEADER_EPOCH, KafkaError.UNKNOWN_LEADER_EPOCH})
 
@@ -389,7 +406,7 @@ def partition_offsets(
             continue
         except KafkaException as exc:
             error = exc.args[0]
-            retry = error.retriable() or error.code() in _LEADER_NOT_READY
+            retry = error.retriable() or error.code() in LEADER_NOT_READY
             if not retry or time.monotonic() > deadline:
                 raise
             if error.code() in _STALE_METADATA:  # the client asks with the leader epoch it cached
