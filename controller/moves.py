@@ -624,12 +624,12 @@ class KafkaPidMover:
         """Wait for the next control message, at most `TICK_S`; True when one came."""
         return self.log.await_news(TICK_S)
 
-    def pods(self, ready: Collection[str], restarting: Collection[str], grace_s: float) -> None:
+    def pods(self, ready: Collection[str] | None, restarting: Collection[str], grace_s: float) -> None:
         """What Kubernetes says of the instance pods. Only instances whose pod is Ready (and wanted) may
         take pids: a heartbeat from the last minute also comes from an instance scaled in a moment ago,
         and a controller that has just started would move pids onto it. Instances whose pods are being
         (re)started may be silent for `grace_s` seconds before they count as dead (`Observer.liveness`)."""
-        self._pods_ready = frozenset(ready)
+        self._pods_ready = None if ready is None else frozenset(ready)
         self.observer.restarting, self.observer.restart_grace_s = frozenset(restarting), grace_s
 
     def ready_instances(self) -> set[str]:

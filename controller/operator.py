@@ -106,9 +106,10 @@ class PidMover(Protocol):
         """Instances that heartbeat and whose query has run a batch: ready to take pids."""
         ...
 
-    def pods(self, ready: Collection[str], restarting: Collection[str], grace_s: float) -> None:
-        """What Kubernetes says of the wanted instance pods: only `ready` ones may take pids; the
-        `restarting` ones may be silent up to `grace_s` before they are dead."""
+    def pods(self, ready: Collection[str] | None, restarting: Collection[str], grace_s: float) -> None:
+        """What Kubernetes says of the wanted instance pods: only `ready` ones may take pids (None: no
+        pod is seen, heartbeats alone decide); the `restarting` ones may be silent up to `grace_s`
+        before they are dead."""
         ...
 
     def instance_stats(self) -> Mapping[str, InstanceStats]:
@@ -520,8 +521,11 @@ class Operator:
         current = self._read("StatefulSet", spec.name)
         pods = self._pods(spec.name)
         wanted = spec.instances(current["spec"]["replicas"] if current is not None else 0)
-        restarting = restarting_instances(pods, wanted)
-        mover.pods(set(wanted) - restarting, restarting, spec.restart_grace_s)
+        if pods:
+            restarting = restarting_instances(pods, wanted)
+            mover.pods(set(wanted) - restarting, restarting, spec.restart_grace_s)
+        else:  # instances that are not pods of this namespace (run elsewhere): heartbeats alone decide
+            mover.pods(None, (), spec.restart_grace_s)
         mover.step()
         self._report_finished_moves(obj, mover.finished())
         previous: dict[str, Any] = obj.get("status") or {}

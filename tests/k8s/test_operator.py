@@ -58,7 +58,7 @@ class RecordingMover:
     mover's step completes them when their last message has arrived)."""
     closed: bool = False
     restarts: tuple[set[str], float] = (set(), 0.0)
-    pods_ready: set[str] = field(default_factory=set)
+    pods_ready: set[str] | None = None
     """What the operator last said of the instances whose pods are (re)starting, and their grace."""
 
     def assignment(self) -> Assignment | None:
@@ -86,9 +86,9 @@ class RecordingMover:
     def ready_instances(self) -> set[str]:
         return set(self.ready)
 
-    def pods(self, ready: Collection[str], restarting: Collection[str], grace_s: float) -> None:
+    def pods(self, ready: Collection[str] | None, restarting: Collection[str], grace_s: float) -> None:
         self.restarts = (set(restarting), grace_s)
-        self.pods_ready = set(ready)
+        self.pods_ready = None if ready is None else set(ready)
 
     def step(self) -> None:
         self.ticks += 1
@@ -620,7 +620,8 @@ def test_only_ready_pods_may_take_pids_and_missing_or_unready_ones_get_the_resta
     operator.reconcile_once()
     assert movers.by_name["x"].restarts == (set(), 90.0), "no StatefulSet yet: nobody restarts"
     operator.reconcile_once()
-    assert movers.by_name["x"].restarts == ({"x-0", "x-1"}, 90.0), "no pod exists yet"
+    assert movers.by_name["x"].restarts == (set(), 90.0), "no pod is seen: heartbeats alone decide"
+    assert movers.by_name["x"].pods_ready is None
 
     core = kubernetes.client.CoreV1Api(kube.api_client)
     V1ObjectMeta = kubernetes.client.V1ObjectMeta
