@@ -9,11 +9,15 @@ run must mean the pipeline was exercised against a real broker. `scripts/ensure-
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -25,10 +29,22 @@ BROKER_START_TIMEOUT_S = 90.0
 DOCKER_HINT = "Docker is not reachable: run scripts/ensure-docker.sh (as root), then run the tests again"
 
 
+# Broker ports come from below Linux's ephemeral range (32768-60999): a client reconnecting to a stopped
+# broker on an ephemeral port can be handed that very port as its own source port (a TCP self-connect),
+# and then holds it when the broker comes back. Also below Kubernetes' NodePort range (30000-32767).
+BROKER_PORTS = range(20000, 30000)
+
+
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    for _ in range(100):
+        port = random.choice(BROKER_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {BROKER_PORTS}")
 
 
 def _broker_answers(bootstrap: str) -> bool:
@@ -41,9 +57,18 @@ def _broker_answers(bootstrap: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def kafka_bootstrap() -> Iterator[str]:
-    """`localhost:<port>` of a fresh single-node KRaft broker, removed at the end of the session.
+@dataclass(frozen=True)
+class Broker:
+    """A running single-node KRaft broker in a container: where clients reach it, and the container
+    (which fault tests pause, stop and start)."""
+
+    bootstrap: str
+    container: Any
+
+
+@contextmanager
+def running_broker() -> Iterator[Broker]:
+    """A fresh broker, removed on exit.
 
     The host port is picked free beforehand and published 1:1, so the advertised listener
     `localhost:<port>` is right both inside the container and on the host.
@@ -88,10 +113,25 @@ def kafka_bootstrap() -> Iterator[str]:
                 problem = f"the Kafka container did not answer at {bootstrap} ({container.status})"
                 pytest.fail(f"{problem}:\n{logs}", pytrace=False)
             time.sleep(0.5)
-        yield bootstrap
+        yield Broker(bootstrap, container.get_wrapped_container())
     finally:
         close_clients(bootstrap)
         container.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    """`localhost:<port>` of the broker every test of the session shares. No test may stop or pause it:
+    one that injects a broker fault takes `own_broker`."""
+    with running_broker() as broker:
+        yield broker.bootstrap
+
+
+@pytest.fixture
+def own_broker() -> Iterator[Broker]:
+    """A broker for this test alone, for tests that pause, stop or restart it."""
+    with running_broker() as broker:
+        yield broker
 
 
 @pytest.fixture

@@ -7,19 +7,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import docker
 import pytest
 
 from controller.local import LocalPipeline, wait_drained
 from generator.producer import run_generator
 from pipeline.oracle import verify_pipeline
+from tests.conftest import Broker
 from tests.integration.test_pipeline import small_config
-
-
-def _broker(bootstrap: str) -> docker.models.containers.Container:
-    """The test session's broker container (named after its port, `tests/conftest.py`)."""
-    port = bootstrap.rsplit(":", 1)[1]
-    return docker.from_env().containers.get(f"fluxjoin-test-kafka-{port}")
 
 
 def _run_through(
@@ -56,10 +50,10 @@ def _run_through(
 
 
 def test_a_broker_silent_for_20_s_mid_run_stalls_the_instances_and_loses_nothing(
-    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+    own_broker: Broker, topic_prefix: str, tmp_path: Path
 ) -> None:
     """The broker's container is paused (every connection goes silent, nothing is closed) for 20 s."""
-    broker = _broker(kafka_bootstrap)
+    broker = own_broker.container
 
     def pause() -> None:
         broker.pause()
@@ -68,16 +62,16 @@ def test_a_broker_silent_for_20_s_mid_run_stalls_the_instances_and_loses_nothing
         finally:
             broker.unpause()
 
-    _run_through(pause, kafka_bootstrap, topic_prefix, tmp_path, duration_s=45)
+    _run_through(pause, own_broker.bootstrap, topic_prefix, tmp_path, duration_s=45)
 
 
 @pytest.mark.parametrize("outage_s", [20])
 def test_a_broker_stopped_and_started_again_mid_run_loses_nothing(
-    outage_s: int, kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+    outage_s: int, own_broker: Broker, topic_prefix: str, tmp_path: Path
 ) -> None:
     """The broker's container is stopped (the broker shuts down: every connection is closed and refused)
     for `outage_s`, then started again (same log, a new broker epoch)."""
-    broker = _broker(kafka_bootstrap)
+    broker = own_broker.container
 
     def stop_and_start() -> None:
         broker.stop(timeout=30)
@@ -86,4 +80,4 @@ def test_a_broker_stopped_and_started_again_mid_run_loses_nothing(
         finally:
             broker.start()
 
-    _run_through(stop_and_start, kafka_bootstrap, topic_prefix, tmp_path, duration_s=50)
+    _run_through(stop_and_start, own_broker.bootstrap, topic_prefix, tmp_path, duration_s=50)

@@ -21,7 +21,7 @@ from pipeline.operator import KIND_RELEASED, KIND_STATE
 from pipeline.protocol import AcquiredMsg, AssignmentMsg, encode
 from pipeline.sink import ExactlyOnceSink, Fenced, last_commit, newest_markers
 from pipeline.topics import ensure_topics, read_topic
-from tests.integration.test_faults import _broker
+from tests.conftest import Broker
 
 
 def _config(prefix: str) -> Config:
@@ -214,13 +214,13 @@ def test_a_produce_phase_longer_than_the_transaction_timeout_fails_saying_so(
 
 
 def test_a_snapshot_the_broker_does_not_take_in_time_fails_the_attempt_for_another(
-    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+    own_broker: Broker, topic_prefix: str, tmp_path: Path
 ) -> None:
     """A released window's chunks must all be in the transaction before `Released` names their offsets:
     when the broker does not take them while the transaction lasts, the attempt fails as one to abort
     and produce again (decision 0048), not with an error that ends the instance."""
     cfg = _config(topic_prefix)
-    sink = _sink(cfg, kafka_bootstrap, tmp_path)
+    sink = _sink(cfg, own_broker.bootstrap, tmp_path)
     kind = np.array([KIND_STATE, KIND_RELEASED], np.int8)
     columns: dict[str, np.ndarray] = {
         "kind": kind,
@@ -231,7 +231,7 @@ def test_a_snapshot_the_broker_does_not_take_in_time_fails_the_attempt_for_anoth
         "id0": np.array([5, 1000], np.int64),
         "id1": np.array([0, 1000], np.int64),
     }
-    broker = _broker(kafka_bootstrap)
+    broker = own_broker.container
     sink.producer.begin_transaction()
     broker.pause()
     try:
