@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -67,11 +67,18 @@ class LocalPipeline:
         self.config_path = self.work / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
 
-    def _spawn(self, name: str, args: list[str], cpu_limit: float | None = None) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self,
+        name: str,
+        args: list[str],
+        cpu_limit: float | None = None,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
         from controller.cpu_budget import budget_hook
 
         log = open(self.work / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         env = os.environ | {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+        env |= extra_env or {}
         hook = None
         if cpu_limit:
             hook = budget_hook(f"{self.cfg.pipeline}-{name}", cpu_limit)
@@ -87,13 +94,21 @@ class LocalPipeline:
         self.procs[name], self.logs[name] = proc, log
         return proc
 
-    def start_instance(self, name: str, pids: range | list[int] | None = None, metrics_port: int = 0) -> None:
+    def start_instance(
+        self,
+        name: str,
+        pids: range | list[int] | None = None,
+        metrics_port: int = 0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         """Start `name` on static `pids`, or (None) on what the controller assigns it. The instances of one
         machine cannot share a metrics port: without one of its own (`metrics_port`), an instance serves
-        no /metrics, /healthz or /readyz."""
+        no /metrics, /healthz or /readyz. `env` adds to this process's environment for that instance
+        alone (its JVM and Python workers inherit it): what sets one host apart from the others, such as
+        a clock of its own (`tests/integration/test_clock.py`)."""
         static = ["--pids", pid_spec(pids)] if pids is not None else []
         args = ["instance", "--name", name, *static, "--metrics-port", str(metrics_port)]
-        self._spawn(name, args, self.cfg.instance.cpu_limit)
+        self._spawn(name, args, self.cfg.instance.cpu_limit, env)
 
     def start_generator(self) -> None:
         self._spawn("generator", ["generate"])

@@ -49,6 +49,10 @@ PROGRESS_TIMEOUT_S = 120.0
 """How long a serving instance's query may go without completing a batch or waiting between triggers
 before the instance counts as dead although it heartbeats (a query hung in a task). Well above the
 heartbeat timeout: one batch through a backlog legitimately runs for tens of seconds."""
+HEARING_CHECK_S = 1.0
+HEARING_TIMEOUT_S = 2.0
+"""How often, and how long, a controller step asks the broker where the metrics topic ends: whether it can
+hear the instances at all (`Observer._check_hearing`)."""
 TICK_S = 0.1
 """The longest wait between two steps of the moves in flight; a control message (a move's
 acknowledgement) ends the wait when it arrives: on the pause of a moved pid, every tick counts
@@ -419,9 +423,39 @@ def judge_liveness(
     return live, frozenset(i for i in (set(expected) | heard.keys()) - live if dead_now(i))
 
 
+def appended_ms(timestamp: tuple[int, int]) -> int | None:
+    """When the broker appended a message, by the broker's clock (the metrics topic's timestamps are
+    `LogAppendTime`, decision 0054), from the message's `timestamp()`. None on a topic whose messages
+    carry their producer's clock (one created before): then the record's own `time_ms` serves, as
+    before, and a step of an instance's wall clock ages its heartbeats by as much."""
+    from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME
+
+    kind, ms = timestamp
+    return ms if kind == TIMESTAMP_LOG_APPEND_TIME else None
+
+
+def query_stalled_s(heartbeat: Mapping[str, Any]) -> float | None:
+    """How long an instance's query had gone without progress at its heartbeat, or None for a record
+    that does not say. `stalled_ms` is timed on the instance's monotonic clock, which no step of its
+    wall clock moves; an instance that does not send it is judged, as before, by its wall-clock time
+    less its `progress_ms`, a difference a step of its clock between the two fakes."""
+    if heartbeat.get("kind") != "heartbeat":
+        return None
+    if "stalled_ms" in heartbeat:
+        return max(0.0, heartbeat["stalled_ms"] / 1000)
+    if "progress_ms" in heartbeat and "time_ms" in heartbeat:
+        return max(0.0, (heartbeat["time_ms"] - heartbeat["progress_ms"]) / 1000)
+    return None
+
+
 class Observer:
     """Tails the metrics topic: heartbeats (liveness), per-batch records and the read reports of batches
-    in flight (load), from a minute ago."""
+    in flight (load), from a minute ago.
+
+    Every record's `time_ms` is replaced by the time the broker appended it (`appended_ms`), and ages
+    and windows are measured from it: the one clock all instances' records share, right for the records
+    a controller that has just started reads from a minute back, and never an instance's own, whose
+    host's clock may run wrong or step (decision 0054)."""
 
     def __init__(
         self,
@@ -438,10 +472,15 @@ class Observer:
         self.clock = clock
         self.timeout_s = heartbeat_timeout_s
         self.progress_timeout_s = progress_timeout_s
-        # instance -> seconds its query had gone without progress at its last heartbeat (both times are
-        # the instance's own clock, so skew between machines does not count)
+        # instance -> seconds its query had gone without progress at its last heartbeat (timed by the
+        # instance on its monotonic clock, `query_stalled_s`)
         self.stalled_s: dict[str, float] = {}
         self.started = clock()
+        self.hearing_since = self.started
+        """Since when the controller has reached the broker without a break (`poll`)."""
+        self.deaf = False
+        """Whether the broker failed to answer the last end-offset lookup (`_check_hearing`)."""
+        self._hearing_checked = self._broker_answered = time.monotonic()
         self.seen: dict[str, tuple[float, str]] = {}  # instance -> (last heartbeat, incarnation)
         self.epochs: dict[str, int] = {}  # instance -> the newest epoch it had read at its last heartbeat
         # Instances the assignment names: one never heard from is dead once the start grace is over.
@@ -469,16 +508,42 @@ class Observer:
         start = partition_offsets(admin, metrics, at_ms=int(time.time() * 1000) - 60_000)[metrics[0]]
         if start < 0:  # nothing in the last minute
             start = partition_offsets(admin, metrics)[metrics[0]]
+        self._metrics = TopicPartition(cfg.metrics_topic, 0)
         self._consumer.assign([TopicPartition(cfg.metrics_topic, 0, start)])
+
+    def _check_hearing(self) -> None:
+        """Ask the broker for the metrics topic's end, about once a second. An answer means what the
+        instances write reaches this controller; none (a broker stopped or frozen), or a gap since the
+        last answer (this controller blocked on a silent broker, or frozen itself), means their silence
+        meanwhile says nothing about them: hearing starts again with the next answer. Gaps are real
+        time (`time.monotonic`), whatever clock the observer judges by."""
+        from confluent_kafka import KafkaException
+
+        asked = time.monotonic()
+        if asked - self._hearing_checked < HEARING_CHECK_S:
+            return
+        self._hearing_checked = asked
+        try:
+            self._consumer.get_watermark_offsets(self._metrics, timeout=HEARING_TIMEOUT_S)
+        except KafkaException:  # away, restarting, or not serving the partition yet: none reaches us
+            self.deaf = True
+            return
+        answered = time.monotonic()
+        if self.deaf or answered - self._broker_answered > HEARING_CHECK_S + 2 * HEARING_TIMEOUT_S:
+            self.deaf, self.hearing_since = False, self.clock()
+        self._broker_answered = answered
 
     def poll(self, wait_s: float = 0.0) -> None:
         """Take in what has arrived, waiting up to `wait_s` for it (a controller step does not wait)."""
+        self._check_hearing()
         now_ms = time.time() * 1000
         for msg in self._consumer.consume(num_messages=10_000, timeout=wait_s):
             if msg.error() is not None or msg.value() is None:
                 continue
             record = json.loads(msg.value() or b"{}")
-            age_s = max(0.0, (now_ms - record.get("time_ms", now_ms)) / 1000)
+            stalled = query_stalled_s(record)  # before `time_ms` is the broker's
+            record["time_ms"] = appended_ms(msg.timestamp()) or record.get("time_ms", now_ms)
+            age_s = max(0.0, (now_ms - record["time_ms"]) / 1000)
             if record.get("kind") == "heartbeat":
                 self.seen[record["instance"]] = (self.clock() - age_s, record["incarnation"])
                 self.epochs[record["instance"]] = record.get("epoch", -1)
@@ -487,9 +552,8 @@ class Observer:
                     self.serving.add(record["instance"])
                 else:
                     self.serving.discard(record["instance"])
-                if record.get("serving", True) and "progress_ms" in record:
-                    stalled_ms = record.get("time_ms", now_ms) - record["progress_ms"]
-                    self.stalled_s[record["instance"]] = max(0.0, stalled_ms / 1000)
+                if record.get("serving", True) and stalled is not None:
+                    self.stalled_s[record["instance"]] = stalled
                 else:  # not serving yet (starting up), or an instance that does not report progress
                     self.stalled_s.pop(record["instance"], None)
             elif record.get("kind") == "batch":
@@ -514,10 +578,15 @@ class Observer:
     def liveness(self) -> Liveness:
         """Who is live and who is dead now: read once per controller step, so that one step never
         acts on two answers (a silence crossing the timeout in between)."""
+        self._check_hearing()  # a step may have waited on the broker since its `poll`
+        now = self.clock()
+        # Silence counts only while the controller could have heard: after it could not reach the
+        # broker, every instance has a whole timeout from then on to be heard again (decision 0052).
+        hearing = now if self.deaf else self.hearing_since
         live, dead = judge_liveness(
-            self.clock(),
-            started=self.started,
-            heard={i: t for i, (t, _) in self.seen.items()},
+            now,
+            started=hearing,
+            heard={i: max(t, hearing) for i, (t, _) in self.seen.items()},
             expected=self.expected,
             stalled_s=self.stalled_s,
             timeout_s=self.timeout_s,

@@ -10,13 +10,18 @@ without executing them.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
-from controller.assignment import initial_assignment
+from confluent_kafka import KafkaError, KafkaException
+
+from controller.assignment import Assignment, initial_assignment
 from controller.moves import KafkaPidMover
 from controller.rounds import PolicyRounds
 from pipeline.config import Config
+from pipeline.topics import BrokerUnreachable, broker_away
 
 
 def instance_names(count: int) -> list[str]:
@@ -37,15 +42,27 @@ def run_controller(
 
     `params` are the policy's (`controller.rounds.policy_params`), handoff mode included.
     """
+    initial = initial_assignment(cfg.partitions, instance_names(cfg.instances))
     mover = KafkaPidMover(cfg, bootstrap, heartbeat_timeout_s, say=say)
-    mover.start(initial_assignment(cfg.partitions, instance_names(cfg.instances)))
+    mover.start(initial)
     rounds = PolicyRounds.begin(policy_name, params)
     last_reason = ""
     say(f"controller: policy {policy_name} {params}, heartbeat timeout {heartbeat_timeout_s:g} s")
     try:
         while not stop():
-            mover.step()
-            decision = rounds.tick(mover, dry_run=dry_run)
+            try:
+                mover.step()
+                decision = rounds.tick(mover, dry_run=dry_run)
+            except (KafkaException, TimeoutError) as exc:
+                if not broker_away(exc):
+                    raise
+                # Weather (decision 0052): start over from the control log once the broker is back,
+                # as a restarted controller would, instead of going on from a step cut short.
+                say(f"controller: Kafka at {bootstrap} is away ({_reason(exc)}); waiting for it")
+                _close_quietly(mover)
+                mover = _mover_once_back(cfg, bootstrap, heartbeat_timeout_s, initial, say, stop)
+                say("controller: Kafka is back; resumed from the control log")
+                continue
             if decision is not None:
                 if rounds.last_snapshot is not None:
                     say(f"policy {policy_name} read {rounds.last_snapshot.describe()}")
@@ -57,4 +74,39 @@ def run_controller(
                 last_reason = decision.reason
             mover.await_news()
     finally:
+        _close_quietly(mover)
+
+
+def _reason(exc: BaseException) -> str:
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    return error.str() if isinstance(error, KafkaError) else str(exc)
+
+
+def _close_quietly(mover: KafkaPidMover) -> None:
+    """Close a mover whose broker may be away: what it still holds unsent is a step that runs again."""
+    with contextlib.suppress(KafkaException, TimeoutError, RuntimeError):
         mover.close()
+
+
+def _mover_once_back(
+    cfg: Config,
+    bootstrap: str,
+    heartbeat_timeout_s: float,
+    initial: Assignment,
+    say: Callable[[str], None],
+    stop: Callable[[], bool],
+) -> KafkaPidMover:
+    """A new, started mover as soon as the broker answers again, trying every few seconds meanwhile."""
+    pause_s = 1.0
+    while True:
+        try:
+            mover = KafkaPidMover(cfg, bootstrap, heartbeat_timeout_s, say=say)
+            mover.start(initial)
+            return mover
+        except (KafkaException, TimeoutError, BrokerUnreachable) as exc:
+            if not isinstance(exc, BrokerUnreachable) and not broker_away(exc):
+                raise
+            if stop():
+                raise
+            time.sleep(pause_s)
+            pause_s = min(10.0, pause_s * 2)

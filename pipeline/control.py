@@ -236,12 +236,28 @@ class InstanceFollower:
         """Set by the instance once its query has completed a batch. Heartbeats start before Spark
         does, so that a restarting instance is not taken for dead; until it serves, the controller
         hands it no pids, which would pause until its query had started (decision 0043)."""
-        self.progress: dict[str, int] = {}
-        """Set by the instance: how far its query has got (`pipeline.instance.QueryProgress.fields`)."""
+        self._progress: dict[str, int] = {}
+        self._progressed_at = time.monotonic()  # when `progress` last changed, on this host's monotonic clock
         self.evicted = threading.Event()
         """Set once the log evicts this incarnation: the instance stops (`FENCED_EXIT_STATUS`) even when
         no batch of its query would meet the sink's fence (it holds no pid, or its query is idle)."""
         self._unseen: bool | None = None  # whether "name@?" was already listed when this incarnation began
+
+    @property
+    def progress(self) -> dict[str, int]:
+        """How far the instance's query has got (`pipeline.instance.QueryProgress.fields`)."""
+        return self._progress
+
+    @progress.setter
+    def progress(self, fields: dict[str, int]) -> None:
+        """Set by the instance's main loop, twice a second. Whenever the fields change (the query
+        completed a batch or waited between triggers: its `progress_ms` moved, whichever way a step of
+        the wall clock moved it), the query progressed now, as the monotonic clock tells: the heartbeat
+        says how long ago that was (`stalled_ms`), which no step of this host's wall clock fakes or
+        hides, and which goes on growing when the main loop itself hangs."""
+        if fields != self._progress:
+            self._progressed_at = time.monotonic()
+        self._progress = fields
 
     def newest(self) -> AssignmentMsg | None:
         return self.log.catch_up().assignment
@@ -270,8 +286,10 @@ class InstanceFollower:
             "serving": self.serving,
             "epoch": read.epoch if (read := self.log.view.assignment) is not None else -1,
             **self.progress,
-            "time_ms": int(time.time() * 1000),
+            "time_ms": int(time.time() * 1000),  # the controller ages it by the broker's clock
         }
+        if self.progress:
+            beat["stalled_ms"] = int((time.monotonic() - self._progressed_at) * 1000)
         self._producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(beat))
         self._producer.poll(0)
 
@@ -279,10 +297,15 @@ class InstanceFollower:
         self._thread.start()
 
     def _run(self, period_s: float = 0.1, beat_every_s: float = 1.0) -> None:
-        last_beat = 0.0
+        last_beat, unwritten = 0.0, ""
         while not self._stop.is_set() and not self.evicted.is_set():
             try:
-                self.sync()
+                try:
+                    self.sync()
+                except OSError as exc:  # a full disk: the assignment file waits, the heartbeat must not
+                    if repr(exc) != unwritten:
+                        print(f"{self.instance}: assignment not written ({exc}); trying again", flush=True)
+                    unwritten = repr(exc)
                 if self.evicted.is_set():
                     break  # not one more heartbeat: the controller would take it for a rejoin
                 if time.monotonic() - last_beat >= beat_every_s:

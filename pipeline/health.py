@@ -14,7 +14,8 @@ one machine):
   controller takes its pids away only after its own progress timeout; a restart is what brings the
   instance itself back, and only the kubelet can do that.
 - `/readyz` (readiness): 200 once the query serves (it has run a batch and so taken in its assignment,
-  decision 0043), until the instance stops. A StatefulSet rolling update waits for it pod by pod.
+  decision 0043), until the instance stops; 503 while its query is stopped by a full disk under its work
+  directory and waits for room (decision 0053). A StatefulSet rolling update waits for it pod by pod.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class InstanceHealth:
         self._batch = -1
         self._progress_ms: int | None = None
         self._progressed_at = self._since
+        self._full_disk = ""
 
     @property
     def phase(self) -> Phase:
@@ -104,6 +106,17 @@ class InstanceHealth:
             self._progress_ms, self._batch = progress_ms, batch
             self._serving = self._serving or serving
 
+    def disk_full(self, where: str) -> None:
+        """The query is stopped because the disk of `where` (its work directory) is full, and waits for
+        room (`pipeline.instance`); "" once it runs again. /readyz fails meanwhile, naming the disk;
+        /healthz still judges progress only, so a disk full for longer than the stall timeout fails it."""
+        with self._lock:
+            self._full_disk = where
+
+    @property
+    def waiting_for_disk(self) -> bool:
+        return bool(self._full_disk)
+
     def progress_age_s(self) -> float:
         """Seconds since the query last progressed (since the phase began, before the query runs)."""
         with self._lock:
@@ -124,9 +137,11 @@ class InstanceHealth:
         return True, phase.value
 
     def readiness(self) -> tuple[bool, str]:
-        """Whether the query serves: running, and it has run a batch."""
+        """Whether the query serves: running, it has run a batch, and no full disk holds it."""
         with self._lock:
-            phase, serving = self._phase, self._serving
+            phase, serving, full_disk = self._phase, self._serving, self._full_disk
+        if phase is Phase.RUNNING and full_disk:
+            return False, f"checkpoint disk full ({full_disk}): waiting for room"
         if phase is Phase.RUNNING and serving:
             return True, "serving"
         if phase is Phase.RUNNING:
@@ -274,6 +289,11 @@ class _ScrapeTime:
         yield info
         ready, _ = m.health.readiness()
         yield GaugeMetricFamily("fluxjoin_instance_ready", "1 while /readyz answers 200.", value=int(ready))
+        yield GaugeMetricFamily(
+            "fluxjoin_instance_disk_full",
+            "1 while the query is stopped by a full disk under its work directory and waits for room.",
+            value=int(m.health.waiting_for_disk),
+        )
         yield GaugeMetricFamily(
             "fluxjoin_instance_progress_age_seconds",
             "Seconds since the query last completed a batch or waited between triggers (/healthz's check).",

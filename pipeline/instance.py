@@ -12,6 +12,10 @@ Pids come from the control topic (`<pipeline>.control`) once a controller has pu
 
 With a metrics port, the instance serves /metrics, /healthz and /readyz there (`pipeline.health`) from
 its start, so that a pod's probes see it wait, start and run.
+
+A query stopped by a full disk (its checkpoint or the sink's files beside it) is started again from its
+checkpoint once the disk has room, in the same process; meanwhile the instance says so in its log and is
+not ready (decision 0053).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,8 +37,6 @@ from pipeline.health import STALL_TIMEOUT_S, InstanceHealth, InstanceMetrics, Ph
 from pipeline.source import OwnedPids, write_assignment
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from pipeline.sink import ExactlyOnceSink
 
 
@@ -64,9 +67,13 @@ class QueryProgress:
     batch: int = -1  # the newest batch the query completed, -1 before its first
 
     def observe(self, now_ms: int, batch: int, in_trigger: bool) -> None:
-        """Take in the newest batch the sink completed and whether the query is inside a trigger now."""
+        """Take in the newest batch the sink completed and whether the query is inside a trigger now.
+
+        `progress_ms` never goes back: after a step back of this host's wall clock it counts on a
+        millisecond per progress until the clock has caught up, so that whoever times progress from its
+        change (the health probe, the heartbeat's `stalled_ms`) sees every progress as one."""
         if batch > self.batch or not in_trigger:
-            self.progress_ms = now_ms
+            self.progress_ms = max(now_ms, self.progress_ms + 1)
         self.batch = max(self.batch, batch)
 
     def fields(self) -> dict[str, int]:
@@ -75,6 +82,48 @@ class QueryProgress:
 
 def instance_dir(cfg: Config, name: str) -> Path:
     return Path(cfg.instance.work_dir) / cfg.pipeline / name
+
+
+NO_SPACE = ("No space left on device", "Disk quota exceeded")
+"""ENOSPC and EDQUOT as a failed query's error words them, whether Spark met them writing its checkpoint
+(a Java IOException) or the sink writing its files beside it (a Python OSError)."""
+
+ROOM_BYTES = 16 << 20
+"""Free space a full disk must have again before the query stopped by it starts again: a batch writes a
+few KB of offset and commit log and its state stores' changes, a snapshot of the state now and then."""
+
+ROOM_POLL_S = 2.0
+
+
+def failed_on_full_disk(error: BaseException) -> bool:
+    """Whether a query failed because a disk was full (`NO_SPACE`): the message of its error says so."""
+    return any(words in str(error) for words in NO_SPACE)
+
+
+def has_room(path: Path) -> bool:
+    """Whether the disk of `path` has `ROOM_BYTES` free and inodes left (when it counts them)."""
+    disk = os.statvfs(path)
+    return disk.f_bavail * disk.f_frsize >= ROOM_BYTES and (disk.f_files == 0 or disk.f_favail > 0)
+
+
+def wait_for_room(name: str, home: Path, health: InstanceHealth, stop: Callable[[], bool]) -> bool:
+    """Wait until the disk of `home` has room again (`has_room`), saying so in the log and on /readyz;
+    False if `stop` turns true first. A disk that stays full is judged as any stall is: /healthz fails
+    after the stall timeout, the controller moves the pids after its progress timeout (decision 0053)."""
+    health.disk_full(str(home))
+    print(
+        f"{name}: checkpoint disk full ({home}); its query stopped, and starts again from its checkpoint "
+        f"once the disk has {ROOM_BYTES >> 20} MB free",
+        file=sys.stderr,
+        flush=True,
+    )
+    while True:
+        if stop():
+            return False
+        time.sleep(ROOM_POLL_S)  # also a pause between restarts, should the query fail again at once
+        if has_room(home):
+            print(f"{name}: the disk has room again; starting the query from its checkpoint", flush=True)
+            return True
 
 
 THREAD_STACK = "64m"
@@ -239,7 +288,7 @@ def _run(
 
     from pipeline.control import FENCED_EXIT_STATUS, ControlLog, InstanceFollower, wait_for
     from pipeline.protocol import eviction_entries
-    from pipeline.sink import Fenced
+    from pipeline.sink import Fenced, TransactionOverrun
     from pipeline.topics import check_reachable, ensure_topics
 
     check_reachable(bootstrap)
@@ -283,20 +332,42 @@ def _run(
     signal.signal(signal.SIGINT, _stop)
     health.enter(Phase.RUNNING)
     print(f"{name}: running (incarnation {follower.incarnation}), checkpoint {home}", flush=True)
+    error = None
     try:
-        while not stopping.is_set() and query.isActive and not follower.evicted.is_set():
-            follower.serving = follower.serving or query.lastProgress is not None
-            progress.observe(int(time.time() * 1000), sink.completed, query.status["isTriggerActive"])
-            follower.progress = progress.fields()
-            health.observe(progress.progress_ms, progress.batch, follower.serving)
-            stopping.wait(0.5)
+        while True:
+            while not stopping.is_set() and query.isActive and not follower.evicted.is_set():
+                follower.serving = follower.serving or query.lastProgress is not None
+                progress.observe(int(time.time() * 1000), sink.completed, query.status["isTriggerActive"])
+                follower.progress = progress.fields()
+                health.observe(progress.progress_ms, progress.batch, follower.serving)
+                stopping.wait(0.5)
+            error = query.exception()
+            # Weather, not death: the query starts again in this process, from its checkpoint (whole:
+            # Spark writes each file aside and renames it); the batch runs again, and the sink skips
+            # output already in Kafka.
+            if error is not None and failed_on_full_disk(error):  # decision 0053
+                sink.close()
+                leave = lambda: stopping.is_set() or follower.evicted.is_set()  # noqa: E731
+                if not wait_for_room(name, home, health, leave):
+                    error = None  # stopped or evicted while waiting: as if the query had stopped so
+                    break
+                health.disk_full("")
+            elif error is not None and TransactionOverrun.__name__ in str(error):
+                # The broker aborted a transaction that an outage kept open past its timeout, and with
+                # it this producer's epoch (decision 0052): a new sink initialises a new one.
+                sink.close()
+                print(f"{name}: {str(error).splitlines()[0][:300]}; starting the query again", flush=True)
+            else:
+                break
+            query, sink = start_query(
+                spark, cfg, bootstrap, name, follower.incarnation, metrics.observe_batch
+            )
     except (Py4JError, ConnectionError) as lost:  # the JVM exited: out of memory (see spark_session), killed
         health.enter(Phase.STOPPED, f"Spark's JVM is gone ({type(lost).__name__})")
         print(f"{name}: Spark's JVM is gone ({type(lost).__name__}), exiting", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
         follower.stop()  # no heartbeat outlives the query: the controller must see this instance dead
-    error = query.exception()
     if error is not None:
         fenced = Fenced.__name__ in str(error)
         reason = "fenced: another instance owns its pids now" if fenced else f"query failed: {error}"

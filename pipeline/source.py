@@ -1134,6 +1134,12 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
         deadline = time.monotonic() + _READ_TIMEOUT_S
         while pending:
             if time.monotonic() > deadline:
+                if _broker_away_from(consumer, min(pending)):
+                    # An outage is waited out however long it lasts (decision 0052); the consumer
+                    # reconnects by itself and reads on from where it was.
+                    print(f"reading ranges: Kafka at {bootstrap} is away, waiting", flush=True)
+                    deadline = time.monotonic() + _READ_TIMEOUT_S
+                    continue
                 late = [f"{t}[{p}] {next_offset[(t, p)]}-{last_end[(t, p)]}" for t, p in sorted(pending)[:5]]
                 raise TimeoutError(
                     f"offsets not readable within {_READ_TIMEOUT_S:.0f} s (not committed yet: an upstream "
@@ -1142,9 +1148,12 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
             remaining = sum(last_end[tp] - next_offset[tp] for tp in pending)
             for msg in consumer.consume(num_messages=max(1, min(remaining, 10_000)), timeout=0.5):
                 topic, partition, off, value = msg.topic(), msg.partition(), msg.offset(), msg.value()
-                assert topic is not None and partition is not None
-                tp = (topic, partition)
                 err = msg.error()
+                if topic is None or partition is None:
+                    # Not about a partition: the client's own report of a lost connection, which it
+                    # re-establishes itself; the deadline above tells an outage from a stuck range.
+                    continue
+                tp = (topic, partition)
                 if err is not None:
                     if err.code() == KafkaError._AUTO_OFFSET_RESET:
                         raise _input_gone(consumer, topic, partition, next_offset[tp], last_end[tp])
@@ -1189,6 +1198,19 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
     for r in ranges:
         if cols[r] or bad[r]:
             yield _to_arrow(r, cols[r], bad[r])
+
+
+def _broker_away_from(consumer: Any, tp: tuple[str, int]) -> bool:
+    """Whether the broker fails to answer an offset lookup for `tp` as one that is away does."""
+    from confluent_kafka import KafkaException, TopicPartition
+
+    from pipeline.topics import broker_away
+
+    try:
+        consumer.get_watermark_offsets(TopicPartition(*tp), timeout=10)
+    except KafkaException as exc:
+        return broker_away(exc)
+    return False
 
 
 class InputGone(RuntimeError):

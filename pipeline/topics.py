@@ -86,7 +86,9 @@ def topic_specs(cfg: Config) -> list[TopicSpec]:
             partitions=1,
             config={"cleanup.policy": "compact", "segment.ms": str(COMMITS_SEGMENT_MS)},
         ),
-        TopicSpec(name=cfg.metrics_topic, partitions=1),
+        # Stamped by the broker's clock: the controller ages heartbeats and windows batches by it, never
+        # by an instance's clock, which its host may step (decision 0054).
+        TopicSpec(name=cfg.metrics_topic, partitions=1, config={"message.timestamp.type": "LogAppendTime"}),
         # The protocol's only state: every record kept (a broker's default retention, 7 days, would delete
         # the assignment of a pipeline that has not moved a pid for a week), never compacted (its keys
         # are message types: compaction would keep one assignment and one acknowledgement of all).

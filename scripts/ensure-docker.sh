@@ -8,7 +8,10 @@
 #     under the name Docker Hub uses, so Dockerfiles say `FROM debian:bookworm-slim` and work unchanged on
 #     machines that can pull. The rootfs tarball is cached, so a second machine with the same cache is fast.
 #
-# Idempotent: when Docker runs and the image exists this prints two lines and exits 0.
+# Also a C compiler (Debian's gcc and libc6-dev): tests/integration/test_clock.py builds a small preload
+# library with it that steps one instance's wall clock.
+#
+# Idempotent: when Docker runs, the image exists and cc is there this prints three lines and exits 0.
 # Cache: ${FLUXJOIN_CACHE:-$HOME/.cache/fluxjoin}/docker/ (rootfs tarball, dockerd log).
 # Env:   DEBIAN_MIRROR (default http://deb.debian.org/debian), DOCKER_START_TIMEOUT (seconds, default 60).
 set -euo pipefail
@@ -139,5 +142,15 @@ ensure_base_image() {
   log "image $BASE_IMAGE: imported in $((SECONDS - t0)) s"
 }
 
+ensure_c_compiler() {
+  if command -v cc >/dev/null 2>&1 && [[ -e /usr/include/stdio.h ]]; then
+    log "cc: present"
+    return
+  fi
+  apt_install gcc libc6-dev
+  log "cc: installed"
+}
+
 ensure_engine
 ensure_base_image
+ensure_c_compiler

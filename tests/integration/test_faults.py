@@ -10,41 +10,60 @@ from pathlib import Path
 import pytest
 
 from controller.local import LocalPipeline, wait_drained
+from controller.moves import request_moves
+from controller.soak import Watch, moved
 from generator.producer import run_generator
 from pipeline.oracle import verify_pipeline
+from pipeline.protocol import Mode
 from tests.conftest import Broker
 from tests.integration.test_pipeline import small_config
 
+INSTANCES = ["instance-0", "instance-1"]
+
 
 def _run_through(
-    fault: Callable[[], None], kafka_bootstrap: str, topic_prefix: str, tmp_path: Path, duration_s: int
+    fault: Callable[[], None], bootstrap: str, topic_prefix: str, tmp_path: Path, duration_s: int
 ) -> None:
-    """Two instances read what the generator writes in real time (500 tuples/s for `duration_s`);
-    10 s in, `fault` runs (and returns once the broker is back). The instances and the generator must
-    ride it out, and the output must be exact."""
+    """A controller (static policy, heartbeat timeout 10 s) and two instances; the generator writes in
+    real time (500 tuples/s for `duration_s`). 10 s in, `fault` runs (and returns once the broker is
+    back). Every process must ride it out: none exits, the controller declares no instance dead for
+    having been unable to hear it, and it moves a pid afterwards as ever. The output must be exact."""
     cfg = small_config(
         topic_prefix,
         "generator.mode=real_time",
         f"generator.duration_s={duration_s}",
         "generator.rate={kind: constant, rate: 500}",
         "generator.keys={kind: uniform, count: 1000}",
+        f"instances={len(INSTANCES)}",
     )
-    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
+    pipeline = LocalPipeline(cfg, bootstrap, tmp_path)
+    watch = Watch(pipeline)
     try:
-        pipeline.start_instance("instance-0", range(0, 4))
-        pipeline.start_instance("instance-1", range(4, 8))
-        pipeline.wait_running(["instance-0", "instance-1"])
-        generator = threading.Thread(target=run_generator, args=(cfg, kafka_bootstrap))
+        pipeline.start_controller(policy="static", heartbeat_timeout_s=10)
+        for name in INSTANCES:
+            pipeline.start_instance(name)
+        pipeline.wait_running(INSTANCES)
+        start = watch.until(lambda v: bool(v.assignment and v.assignment.epoch == 0), 60, "epoch 0")
+        assert start.assignment is not None
+        generator = threading.Thread(target=run_generator, args=(cfg, bootstrap))
         generator.start()
         time.sleep(10)
         fault()
+        pid, owner = next(iter(start.assignment.owners.items()))
+        target = next(name for name in INSTANCES if name != owner)
+        request_moves(cfg, bootstrap, [pid], target, Mode.TRANSFER)
+        watch.until(moved([pid], target), 240, f"pid {pid} moved to {target} after the fault")
         generator.join(timeout=240)
         assert not generator.is_alive(), "the generator did not finish after the broker came back"
         wait_drained(pipeline, timeout_s=300)
         pipeline.check_alive()
+        after = watch.log.catch_up().assignment
+        assert after is not None
+        assert not after.evicted, f"instances declared dead: {after.evicted}"
     finally:
+        watch.log.close()
         pipeline.stop()
-    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
+    report = verify_pipeline(pipeline.cfg, bootstrap)
     assert report.expected > 1_000, report.describe()
     assert report.exact, report.describe()
 
@@ -65,7 +84,7 @@ def test_a_broker_silent_for_20_s_mid_run_stalls_the_instances_and_loses_nothing
     _run_through(pause, own_broker.bootstrap, topic_prefix, tmp_path, duration_s=45)
 
 
-@pytest.mark.parametrize("outage_s", [20])
+@pytest.mark.parametrize("outage_s", [20, 120])
 def test_a_broker_stopped_and_started_again_mid_run_loses_nothing(
     outage_s: int, own_broker: Broker, topic_prefix: str, tmp_path: Path
 ) -> None:
