@@ -499,8 +499,11 @@ class Operator:
                 log.warning("reconcile of %s failed: %s", obj["metadata"]["name"], exc, exc_info=True)
                 self._report_failure(obj, _failure_message(exc))
                 from controller.moves import ControllerFenced
+                from pipeline.topics import broker_away
 
-                if isinstance(exc, ControllerFenced):  # the next round's mover fences the other writer
+                # The next round's mover fences the other writer; or, after an outage, starts over from
+                # the control log instead of going on from a step cut short (decision 0052).
+                if isinstance(exc, ControllerFenced) or broker_away(exc):
                     self._drop_movers(partial(_of_pipeline, obj["metadata"]["uid"]))
         live = {obj["metadata"]["uid"] for obj in items}
         self._drop_movers(lambda key: key[0] not in live)

@@ -94,6 +94,10 @@ few KB of offset and commit log and its state stores' changes, a snapshot of the
 
 ROOM_POLL_S = 2.0
 
+CLOCK_STEP_BACK_S = 5.0
+"""A step back of the host's wall clock longer than this restarts the query (decision 0054): Spark's
+trigger waits until a wall-clock time, and would run no batch for as long as the clock went back."""
+
 
 def failed_on_full_disk(error: BaseException) -> bool:
     """Whether a query failed because a disk was full (`NO_SPACE`): the message of its error says so."""
@@ -335,17 +339,29 @@ def _run(
     error = None
     try:
         while True:
+            wall_less_monotonic = time.time() - time.monotonic()
+            stepped_back_s = 0.0
             while not stopping.is_set() and query.isActive and not follower.evicted.is_set():
                 follower.serving = follower.serving or query.lastProgress is not None
                 progress.observe(int(time.time() * 1000), sink.completed, query.status["isTriggerActive"])
                 follower.progress = progress.fields()
                 health.observe(progress.progress_ms, progress.batch, follower.serving)
                 stopping.wait(0.5)
+                now_less_monotonic = time.time() - time.monotonic()
+                stepped_back_s = wall_less_monotonic - now_less_monotonic
+                if stepped_back_s > CLOCK_STEP_BACK_S:
+                    break
+                wall_less_monotonic = now_less_monotonic
             error = query.exception()
             # Weather, not death: the query starts again in this process, from its checkpoint (whole:
             # Spark writes each file aside and renames it); the batch runs again, and the sink skips
             # output already in Kafka.
-            if error is not None and failed_on_full_disk(error):  # decision 0053
+            if stepped_back_s > CLOCK_STEP_BACK_S and error is None:  # decision 0054
+                print(f"{name}: the wall clock stepped back {stepped_back_s:.0f} s; starting the query again",
+                      flush=True)  # fmt: skip
+                query.stop()
+                sink.close()
+            elif error is not None and failed_on_full_disk(error):  # decision 0053
                 sink.close()
                 leave = lambda: stopping.is_set() or follower.evicted.is_set()  # noqa: E731
                 if not wait_for_room(name, home, health, leave):

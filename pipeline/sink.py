@@ -31,6 +31,7 @@ its pid is then announced before its batch runs (decision 0023).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -668,5 +669,8 @@ class ExactlyOnceSink:
         return lag
 
     def close(self) -> None:
-        self.producer.flush(30)
+        """Deliver what is queued and let go; a fenced producer (its epoch taken) has nothing left to
+        deliver, and says so by raising."""
+        with contextlib.suppress(KafkaException):
+            self.producer.flush(30)
         self.evictions.close()

@@ -24,6 +24,7 @@ from controller.kafka_runtime import build_broker_image
 from controller.workload import PIPELINE_LABEL, pod_ready
 from tests.e2e.kube import (
     REPO,
+    E2EError,
     Kube,
     cluster_down,
     cluster_running,
@@ -234,7 +235,18 @@ def test_helm_install_scale_roll_and_faults_stay_exact(kube: Kube) -> None:
     # The operator (restarted by the upgrade, before it rolled the instances) saw every restart resume
     # from the instance's checkpoint within the restart grace: no instance was declared dead and
     # rejoined empty, no pid was recovered by replay elsewhere.
-    operator_log = kube.kubectl("logs", f"deployment/{PIPELINE}-operator")
+    # The kubelet serves container logs; just back, it may answer NotFound for a few seconds.
+    logs: list[str] = []
+
+    def read_operator_log() -> bool:
+        try:
+            logs.append(kube.kubectl("logs", f"deployment/{PIPELINE}-operator"))
+        except E2EError:
+            return False
+        return True
+
+    wait_until("the operator's log readable", 120, read_operator_log, kube.overview)
+    operator_log = logs[-1]
     report["instances_rejoined_empty"] = operator_log.count("rejoined as a new, empty instance")
     assert report["instances_rejoined_empty"] == 0, operator_log[-5000:]
 

@@ -18,8 +18,8 @@ Debian's libfaketime (0.9.10) cannot stand in for it: with the monotonic clock l
 translate the deadlines of C11's `cnd_timedwait`, on which librdkafka waits: an hour behind, a metadata
 request of 10 s failed with `_TIMED_OUT` after 70 s; an hour ahead, it had not ended after 100 s.
 
-A step back is not here: Spark's trigger waits until a wall-clock time, and the instance runs no batch
-for the step's length (decision 0054).
+A step back would stop the instance's batches for its length (Spark's trigger waits until a wall-clock
+time): the instance notices it and starts its query again (decision 0054).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from controller.local import LocalPipeline, wait_drained
 from controller.moves import request_moves
@@ -215,17 +217,21 @@ def _skews_s(records: list[dict[str, Any]]) -> list[float]:
     return skews
 
 
-def test_a_clock_an_hour_behind_then_stepped_forward_declares_no_instance_dead(
-    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+@pytest.mark.parametrize(
+    ("behind_s", "then_behind_s"), [(OFFSET_S, 0), (0, OFFSET_S)], ids=["stepped-forward", "stepped-back"]
+)
+def test_a_clock_stepped_by_an_hour_declares_no_instance_dead_and_stops_no_batch(
+    behind_s: int, then_behind_s: int, kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
-    """Injected: instance-1's host clock runs an hour behind from its start; 20 s into the input (the
-    controller's start grace long over), an NTP-like step puts it right, an hour forward at once.
-    A controller (static policy, heartbeat timeout 10 s) runs throughout, and after the step moves a
-    pid onto the skewed instance and one off it.
+    """Injected: instance-1's host clock runs `behind_s` behind from its start; 20 s into the input (the
+    controller's start grace long over), an NTP-like step sets it `then_behind_s` behind at once: an
+    hour forward (a clock put right), or an hour back (a clock put wrong; Spark's trigger waits on the
+    wall clock, so the instance restarts its query). A controller (static policy, heartbeat timeout
+    10 s) runs throughout, and after the step moves a pid onto the skewed instance and one off it.
 
     Asserted: no process exits, the control log evicts no instance (nobody declared dead for its clock),
-    both moves finish, the output is exact, and the fault took effect (the skewed instance's heartbeats
-    carry times an hour behind the other's, then not)."""
+    both moves finish (the skewed instance runs batches after the step), the output is exact, and the
+    fault took effect (the skewed instance's heartbeats carry times that far behind the other's)."""
     cfg = small_config(
         topic_prefix,
         "generator.mode=real_time",
@@ -235,7 +241,7 @@ def test_a_clock_an_hour_behind_then_stepped_forward_declares_no_instance_dead(
         f"instances={len(INSTANCES)}",
     )
     offset_file = tmp_path / "skewed-host-clock"
-    offset_file.write_text(f"-{OFFSET_S}\n")
+    offset_file.write_text(f"{-behind_s}\n")
     pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path / "work")
     watch = Watch(pipeline)
     try:
@@ -249,7 +255,7 @@ def test_a_clock_an_hour_behind_then_stepped_forward_declares_no_instance_dead(
         generator.start()
         time.sleep(20)
         pipeline.check_alive()
-        offset_file.write_text("0\n")  # the step: an hour forward
+        offset_file.write_text(f"{-then_behind_s}\n")  # the step
         time.sleep(10)
         owners = start.assignment.owners
         onto = next(p for p, o in sorted(owners.items()) if o != SKEWED)
@@ -270,8 +276,8 @@ def test_a_clock_an_hour_behind_then_stepped_forward_declares_no_instance_dead(
         pipeline.stop()
     records = [json.loads(v) for _, _, v in read_topic(kafka_bootstrap, cfg.metrics_topic)]
     skews = _skews_s(records)
-    assert skews and abs(skews[0] - OFFSET_S) < 30, f"the skewed clock was not an hour behind: {skews[:3]}"
-    assert abs(skews[-1]) < 30, f"the skewed clock was not stepped forward: {skews[-3:]}"
+    assert skews and abs(skews[0] - behind_s) < 30, f"not {behind_s} s behind at first: {skews[:3]}"
+    assert abs(skews[-1] - then_behind_s) < 30, f"not {then_behind_s} s behind at the end: {skews[-3:]}"
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
     assert report.expected > 1_000, report.describe()
     assert report.exact, report.describe()

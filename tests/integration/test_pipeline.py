@@ -310,7 +310,8 @@ def test_malformed_records_go_to_the_dead_letter_topic_with_a_reason(
 ) -> None:
     """Garbage, a tombstone (no value: it killed the instance on every restart), an empty value, an
     unknown schema version, a key of another pid and a negative id: each is dead-lettered with its
-    reason, the instance runs on, and the oracle counts them as malformed as the instances do."""
+    reason, the instance runs on, and the oracle counts them as malformed as the instances do. A good
+    record of the broker's largest default size among them is joined."""
     cfg = small_config(topic_prefix, "generator.max_tuples=5000", "generator.duration_s=null")
     run_generator(cfg, kafka_bootstrap)
     one = np.array([10_000_000], dtype=np.int64)
@@ -328,8 +329,14 @@ def test_malformed_records_go_to_the_dead_letter_topic_with_a_reason(
         encode_tuples(one, other_pid, one, no_payload),
         encode_tuples(-one, own_key, one, no_payload),
     ]
-    producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    for value in bad:
+    # And a good record as large as the broker takes by default (1 MB): ten tuples with 100 KB of
+    # payload each, which the join never looks at; it is accepted like any other (not dead-lettered).
+    ten = np.arange(10_000_001, 10_000_011, dtype=np.int64)
+    after_all = np.full(10, 4 * 10**12, dtype=np.int64)  # event times past the generator's: not late
+    large = encode_tuples(ten, np.repeat(own_key, 10), after_all, np.ones((10, 100_000), np.uint8))
+    assert 1_000_000 < len(large) < 1_048_000
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "message.max.bytes": 1_048_588})
+    for value in [*bad, large]:
         producer.produce(cfg.input_topic("A"), value=value, partition=3, key=b"3")
     producer.flush(30)
     pipeline = drain_with_one_instance(cfg, kafka_bootstrap, tmp_path)
