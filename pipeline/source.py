@@ -1201,15 +1201,15 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
 
 
 def _broker_away_from(consumer: Any, tp: tuple[str, int]) -> bool:
-    """Whether the broker fails to answer an offset lookup for `tp` as one that is away does."""
+    """Whether the broker fails to answer an offset lookup for `tp`. Any failure counts: after a long
+    outage the client may also report the partition unknown (its metadata expired), and a range that
+    cannot be looked up cannot be read either; a stuck instance is the probes' to judge (decision 0052)."""
     from confluent_kafka import KafkaException, TopicPartition
-
-    from pipeline.topics import broker_away
 
     try:
         consumer.get_watermark_offsets(TopicPartition(*tp), timeout=10)
-    except KafkaException as exc:
-        return broker_away(exc)
+    except KafkaException:
+        return True
     return False
 
 
