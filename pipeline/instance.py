@@ -292,7 +292,7 @@ def _run(
 
     from pipeline.control import FENCED_EXIT_STATUS, ControlLog, InstanceFollower, wait_for
     from pipeline.protocol import eviction_entries
-    from pipeline.sink import Fenced, TransactionOverrun
+    from pipeline.sink import Fenced, ProducerFailed, TransactionOverrun
     from pipeline.topics import check_reachable, ensure_topics
 
     check_reachable(bootstrap)
@@ -368,9 +368,12 @@ def _run(
                     error = None  # stopped or evicted while waiting: as if the query had stopped so
                     break
                 health.disk_full("")
-            elif error is not None and TransactionOverrun.__name__ in str(error):
+            elif error is not None and any(
+                e.__name__ in str(error) for e in (TransactionOverrun, ProducerFailed)
+            ):
                 # The broker aborted a transaction that an outage kept open past its timeout, and with
-                # it this producer's epoch (decision 0052): a new sink initialises a new one.
+                # it this producer's epoch, or the producer failed for good across a broker restart
+                # (decision 0052): a new sink initialises a new one.
                 sink.close()
                 print(f"{name}: {str(error).splitlines()[0][:300]}; starting the query again", flush=True)
             else:

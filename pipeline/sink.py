@@ -131,6 +131,11 @@ class TransactionOverrun(RuntimeError):
     """A batch's transaction lasted longer than `TRANSACTION_TIMEOUT_S`, and the broker aborted it."""
 
 
+class ProducerFailed(RuntimeError):
+    """The producer met a fatal error other than a fence (seen: INVALID_TXN_STATE on an abort after a
+    broker restart): its transactional state is lost, and only a new producer goes on."""
+
+
 def read_logged_offsets(checkpoint: Path, batch_id: int) -> dict[str, Any]:
     """The source offset Spark logged for `batch_id` (the offset log is written before the batch runs)."""
     lines = (checkpoint / "offsets" / str(batch_id)).read_text().splitlines()
@@ -320,9 +325,14 @@ class ExactlyOnceSink:
                 batch_id, lambda: self._write(batch_id, offsets, columns, kind, started, ready)
             )
         except KafkaException as exc:
-            if exc.args[0].code() not in FENCED_ERRORS:
-                raise
-            raise self._taken_over(batch_id, exc.args[0]) from exc
+            error = exc.args[0]
+            if error.code() in FENCED_ERRORS:
+                raise self._taken_over(batch_id, error) from exc
+            if error.fatal():
+                raise ProducerFailed(
+                    f"batch {batch_id}: the producer failed for good ({error.str()})"
+                ) from exc
+            raise
         self.last_batch = self.completed = batch_id
         if self.on_commit is not None:
             self.on_commit(metrics)

@@ -154,6 +154,7 @@ BROKER_AWAY = (LEADER_NOT_READY - {KafkaError.UNKNOWN_TOPIC_OR_PART}) | {
     KafkaError.REQUEST_TIMED_OUT,
     KafkaError.NETWORK_EXCEPTION,
     KafkaError.NOT_CONTROLLER,
+    KafkaError._UNKNOWN_PARTITION,  # the client's own metadata, emptied while the broker was away
 }
 """Answers that mean the broker is away, restarting or not serving a partition yet, not that the request
 is wrong (decision 0052). A topic the broker does not know is not among them: it may be gone for good."""
@@ -351,7 +352,8 @@ def await_settled(
 
 
 def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float = 30.0) -> tuple[int, int]:
-    """(low, high) offsets of a partition, retrying while a new topic's leader is still being elected."""
+    """(low, high) offsets of a partition, retrying while a new topic's leader is still being elected or
+    the broker is away (`BROKER_AWAY`), up to `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -359,7 +361,9 @@ def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float =
             return int(low), int(high)
         except KafkaException as exc:
             error = exc.args[0]
-            if not error.retriable() and error.code() != KafkaError.NOT_LEADER_FOR_PARTITION:
+            if not error.retriable() and error.code() not in BROKER_AWAY | {
+                KafkaError.NOT_LEADER_FOR_PARTITION
+            }:
                 raise
             if time.monotonic() > deadline:
                 raise
