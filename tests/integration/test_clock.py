@@ -33,13 +33,14 @@ from typing import Any
 
 import pytest
 
-from controller.local import LocalPipeline, wait_drained
+from controller.local import LocalPipeline
 from controller.moves import request_moves
 from controller.soak import Watch, moved
 from generator.producer import run_generator
 from pipeline.oracle import verify_pipeline
 from pipeline.protocol import Mode
 from pipeline.topics import read_topic
+from tests.integration.test_faults import drained_and_nobody_evicted
 from tests.integration.test_pipeline import small_config
 
 INSTANCES = ["instance-0", "instance-1"]
@@ -264,13 +265,7 @@ def test_a_clock_stepped_by_an_hour_declares_no_instance_dead_and_stops_no_batch
         off = next(p for p, o in sorted(owners.items()) if o == SKEWED)
         request_moves(cfg, kafka_bootstrap, [off], "instance-0", Mode.TRANSFER)
         watch.until(moved([off], "instance-0"), 120, f"pid {off} moved off {SKEWED}")
-        generator.join(timeout=240)
-        assert not generator.is_alive(), "the generator did not finish"
-        wait_drained(pipeline, timeout_s=300)
-        pipeline.check_alive()
-        after = watch.log.catch_up().assignment
-        assert after is not None
-        assert not after.evicted, f"instances declared dead: {after.evicted}"
+        drained_and_nobody_evicted(pipeline, watch, generator)
     finally:
         watch.log.close()
         pipeline.stop()

@@ -21,6 +21,18 @@ from tests.integration.test_pipeline import small_config
 INSTANCES = ["instance-0", "instance-1"]
 
 
+def drained_and_nobody_evicted(pipeline: LocalPipeline, watch: Watch, generator: threading.Thread) -> None:
+    """After a fault: the generator finishes, the input drains, every process still runs, and the control
+    log evicted no instance (nobody declared dead for the fault)."""
+    generator.join(timeout=240)
+    assert not generator.is_alive(), "the generator did not finish after the fault"
+    wait_drained(pipeline, timeout_s=300)
+    pipeline.check_alive()
+    after = watch.log.catch_up().assignment
+    assert after is not None
+    assert not after.evicted, f"instances declared dead: {after.evicted}"
+
+
 def _run_through(
     fault: Callable[[], None], bootstrap: str, topic_prefix: str, tmp_path: Path, duration_s: int
 ) -> None:
@@ -53,13 +65,7 @@ def _run_through(
         target = next(name for name in INSTANCES if name != owner)
         request_moves(cfg, bootstrap, [pid], target, Mode.TRANSFER)
         watch.until(moved([pid], target), 240, f"pid {pid} moved to {target} after the fault")
-        generator.join(timeout=240)
-        assert not generator.is_alive(), "the generator did not finish after the broker came back"
-        wait_drained(pipeline, timeout_s=300)
-        pipeline.check_alive()
-        after = watch.log.catch_up().assignment
-        assert after is not None
-        assert not after.evicted, f"instances declared dead: {after.evicted}"
+        drained_and_nobody_evicted(pipeline, watch, generator)
     finally:
         watch.log.close()
         pipeline.stop()
