@@ -218,6 +218,13 @@ class InstanceMetrics:
             ["pid"],
             registry=r,
         )
+        self.hot_key = Gauge(
+            "fluxjoin_instance_hot_key_results",
+            "The last batch's results on its hottest key, labelled with the key and its pid: a key far "
+            "above the others is what bounds batches by their results.",
+            ["pid", "key"],
+            registry=r,
+        )
         self.last_batch_time = Gauge(
             "fluxjoin_instance_last_batch_timestamp_seconds",
             "Unix time at which the last committed batch measured its metrics.",
@@ -253,6 +260,19 @@ class InstanceMetrics:
             for pid, stats in (record.get("pids") or {}).items():
                 self._state[str(pid)] = int(stats["state_bytes"])
             self._state = {pid: size for pid, size in self._state.items() if size}
+            hottest = max(
+                (
+                    (pid, stats["hot_key"])
+                    for pid, stats in (record.get("pids") or {}).items()
+                    if stats.get("hot_key")
+                ),
+                key=lambda item: int(item[1][1]),
+                default=None,
+            )
+            if hottest is not None:
+                self.hot_key.clear()
+                pid, (key, n) = hottest
+                self.hot_key.labels(pid=str(pid), key=str(key)).set(int(n))
             self.state_bytes.set(sum(self._state.values()))
             lag = {str(pid): int(n) for pid, n in (record.get("lag") or {}).items()}
             for pid, n in lag.items():

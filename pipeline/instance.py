@@ -198,7 +198,7 @@ def start_query(
     home = instance_dir(cfg, name)
     checkpoint = home / "checkpoint"
     watermarks = (home / "watermarks.json").resolve()
-    results_per_tuple = (home / "results_per_tuple.json").resolve()
+    recent_yields = (home / "recent_yields.json").resolve()
     spark.dataSource.register(FluxjoinSource)
     rows = (
         spark.readStream.format("fluxjoin")
@@ -209,7 +209,7 @@ def start_query(
         .option("partitions", str(cfg.partitions))
         .option("max_rows", str(cfg.instance.max_rows_per_batch))
         .option("max_results", str(cfg.instance.max_results_per_batch))
-        .option("results_per_tuple", str(results_per_tuple))
+        .option("recent_yields", str(recent_yields))
         .option("tasks", str(cfg.instance.shuffle_partitions))
         .option("window_ms", str(cfg.window_ms))
         .option("lateness_ms", str(cfg.allowed_lateness_ms))
@@ -230,7 +230,7 @@ def start_query(
         timeoutConf="NoTimeout",
     )
     sink = ExactlyOnceSink(
-        cfg, bootstrap, name, incarnation, checkpoint.resolve(), watermarks, results_per_tuple, on_commit
+        cfg, bootstrap, name, incarnation, checkpoint.resolve(), watermarks, recent_yields, on_commit
     )
     query = (
         joined.writeStream.queryName(name.replace("-", "_"))

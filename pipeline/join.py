@@ -31,6 +31,7 @@ reaches the same state.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -38,6 +39,9 @@ import numpy.typing as npt
 import pandas as pd
 
 NO_WATERMARK = np.iinfo(np.int64).min
+RESULTS_PER_CHUNK = 250_000
+"""At most this many results in memory at once per join (plus the merge that makes them): 8 MB of ids
+for a 2-way join. A hot key's results come out chunk after chunk instead of all at once."""
 PROGRESS_ID = -1
 """The id of a progress record's row: tuple ids are never negative (the source refuses them)."""
 I64 = npt.NDArray[np.int64]
@@ -120,7 +124,8 @@ class Results:
 @dataclass(frozen=True, slots=True)
 class StepOutput:
     state: WindowState
-    results: Results
+    results: Iterator[Results]
+    """The batch's results, lazily, in chunks of at most the step's `chunk` results each."""
     late: tuple[Part, ...]  # per stream: tuples rejected as late
 
 
@@ -155,17 +160,38 @@ def join_parts(parts: list[Part], window_ms: int) -> Results:
     return Results(ids, acc["key"].to_numpy(dtype=np.int64), acc["hi"].to_numpy(dtype=np.int64))
 
 
-def _concat_results(chunks: list[Results], m: int) -> Results:
-    chunks = [c for c in chunks if len(c)]
-    if not chunks:
-        return Results(np.empty((m, 0), dtype=np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
-    if len(chunks) == 1:
-        return chunks[0]
-    return Results(
-        np.hstack([c.ids for c in chunks]),
-        np.concatenate([c.keys for c in chunks]),
-        np.concatenate([c.max_ts for c in chunks]),
-    )
+def merge_size(parts: list[Part]) -> int:
+    """The most rows `join_parts` holds at once for these parts: the largest of its merges' outputs
+    before the window filter, counted from the keys alone (an upper bound of the results)."""
+    order = sorted(range(len(parts)), key=lambda j: len(parts[j]))
+    keys, counts = np.unique(parts[order[0]].keys, return_counts=True)
+    sizes = counts.astype(np.float64)
+    largest = float(len(parts[order[0]]))
+    for j in order[1:]:
+        other, other_counts = np.unique(parts[j].keys, return_counts=True)
+        common, mine, theirs = np.intersect1d(keys, other, assume_unique=True, return_indices=True)
+        keys, sizes = common, sizes[mine] * other_counts[theirs]
+        largest = max(largest, float(sizes.sum()))
+        if not len(keys):
+            break
+    return int(min(largest, np.iinfo(np.int64).max))
+
+
+def join_bounded(parts: list[Part], window_ms: int, chunk: int) -> Iterator[Results]:
+    """`join_parts` in pieces of at most about `chunk` rows each (merges included): the largest part is
+    halved until a piece's merges fit. Every result has exactly one row of each part, so the pieces'
+    results are the whole's, each once."""
+    if any(len(p) == 0 for p in parts):
+        return
+    if merge_size(parts) <= chunk or all(len(p) == 1 for p in parts):
+        results = join_parts(parts, window_ms)
+        if len(results):
+            yield results
+        return
+    j = max(range(len(parts)), key=lambda i: len(parts[i]))
+    half = len(parts[j]) // 2
+    for piece in (parts[j].slice(0, half), parts[j].slice(half)):
+        yield from join_bounded([piece if i == j else p for i, p in enumerate(parts)], window_ms, chunk)
 
 
 def _minus(t: int, lateness_ms: int) -> int:
@@ -210,10 +236,9 @@ def horizons(stream_max: tuple[int, ...], window_ms: int, lateness_ms: int) -> l
     return out
 
 
-def _delta_join(state: WindowState, accepted: list[Part], window_ms: int) -> Results:
+def _delta_join(state: WindowState, accepted: list[Part], window_ms: int, chunk: int) -> Iterator[Results]:
     """Results whose last part is in `accepted`; on a sender, only those with an old tuple."""
     m = len(state.parts)
-    chunks = []
     for i in range(m):
         if not len(accepted[i]):
             continue
@@ -222,7 +247,7 @@ def _delta_join(state: WindowState, accepted: list[Part], window_ms: int) -> Res
             for j in range(m)
         ]
         if state.old is None:
-            chunks.append(join_parts(operands, window_ms))
+            yield from join_bounded(operands, window_ms, chunk)
             continue
         # At least one old tuple: split by the first operand (in stream order) that contributes one.
         old = state.old
@@ -235,15 +260,21 @@ def _delta_join(state: WindowState, accepted: list[Part], window_ms: int) -> Res
                 else state.parts[j].slice(old[j]).concat(accepted[j] if j < i else Part.empty())
                 for j in range(m)
             ]
-            chunks.append(join_parts(ops, window_ms))
-    return _concat_results(chunks, m)
+            yield from join_bounded(ops, window_ms, chunk)
 
 
-def join_step(state: WindowState, new: list[Part], window_ms: int, allowed_lateness_ms: int) -> StepOutput:
-    """Process one micro-batch of one pid: reject late tuples, emit new results, insert, purge."""
+def join_step(
+    state: WindowState,
+    new: list[Part],
+    window_ms: int,
+    allowed_lateness_ms: int,
+    chunk: int = RESULTS_PER_CHUNK,
+) -> StepOutput:
+    """Process one micro-batch of one pid: reject late tuples, emit new results (lazily, in chunks of
+    at most about `chunk`), insert, purge."""
     m = len(state.parts)
     accepted, late, stream_max = split_late(state.stream_max, new, allowed_lateness_ms)
-    results = _delta_join(state, accepted, window_ms)
+    results = _delta_join(state, accepted, window_ms, chunk)
     keep_from = horizons(stream_max, window_ms, allowed_lateness_ms)
     parts = []
     old = []

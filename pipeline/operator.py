@@ -19,6 +19,9 @@ track done 6      0                0                  side (1 old/2 new) 0      
 watermark  7      0                0                  0                stream_max[0]         stream_max[j]
 =========  =====  ===============  =================  ===============  ====================  ==========
 
+A `stats` row's `payload` names the pid's hottest key of the batch: the key with the most results and
+their number (`HotKey`), for the sink to warn about a hot key by name.
+
 A `result` row carries up to RESULTS_PER_MESSAGE of a pid's results in its `payload` column, already
 encoded as the results topic's message (`codec.encode_results`), which the sink produces as is; every
 other kind leaves `payload` null. One row per result cost the instance's JVM and Python worker a
@@ -37,6 +40,7 @@ the batch that begins it has run.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -82,6 +86,32 @@ STATE_SCHEMA = "window binary"
 RESULTS_PER_MESSAGE = 8_000
 """Results per `result` row, and so per results message: 256 KB for a 2-way join, well under Kafka's
 1 MB default message size."""
+
+
+@dataclass(slots=True)
+class HotKey:
+    """Results per key over a pid's batch, counted chunk by chunk: which key made the most."""
+
+    counts: dict[int, int] = field(default_factory=dict)
+
+    def count(self, keys: npt.NDArray[np.int64]) -> None:
+        found, n = np.unique(keys, return_counts=True)
+        for k, c in zip(found.tolist(), n.tolist(), strict=True):
+            self.counts[k] = self.counts.get(k, 0) + c
+
+    def encode(self) -> bytes | None:
+        """(key, results) as two little-endian int64, or None for a batch without results."""
+        if not self.counts:
+            return None
+        key = max(self.counts, key=self.counts.__getitem__)
+        return np.array([key, self.counts[key]], dtype="<i8").tobytes()
+
+    @staticmethod
+    def decode(payload: bytes | None) -> tuple[int, int] | None:
+        if not payload:
+            return None
+        key, results = np.frombuffer(payload, dtype="<i8", count=2).tolist()
+        return int(key), int(results)
 
 
 def output_schema(streams: int) -> str:
@@ -179,9 +209,12 @@ def make_join_function(
         if receiving and out.state.old_max is None:
             yield _frame(KIND_TRACK_DONE, pid, 0, 0, TRACK_NEW, [0, *zeros], 1)
         released = stream_col == RELEASE_ROW
-        r = out.results
-        if len(r):
-            yield _result_frame(pid, r, streams)
+        produced = 0
+        hot = HotKey()
+        for chunk in out.results:  # bounded chunks, each out of the worker before the next is made
+            produced += len(chunk)
+            hot.count(chunk.keys)
+            yield _result_frame(pid, chunk, streams)
         for j, late in enumerate(out.late):
             if len(late):
                 yield _frame(KIND_LATE, pid, late.keys, late.ts, j, [late.ids, *zeros], len(late))
@@ -208,6 +241,8 @@ def make_join_function(
         # arrived over, so the controller can tell a pid's arrival rate from a backlog's size.
         newest = max((int(p.ts.max()) for p in new if len(p)), default=0)
         extra = [0] * (streams - 2)
-        yield _frame(KIND_STATS, pid, final.tuples, newest, len(blob), [accepted, len(r), *extra], 1)
+        stats = _frame(KIND_STATS, pid, final.tuples, newest, len(blob), [accepted, produced, *extra], 1)
+        stats["payload"] = [hot.encode()]
+        yield stats
 
     return join_pid

@@ -58,6 +58,7 @@ from pipeline.operator import (
     KIND_STATS,
     KIND_TRACK_DONE,
     KIND_WATERMARK,
+    HotKey,
 )
 from pipeline.protocol import (
     AcquiredMsg,
@@ -71,7 +72,7 @@ from pipeline.protocol import (
     eviction_entries,
     handoff_from_json,
 )
-from pipeline.source import TRACK_OLD, write_results_per_tuple, write_watermarks
+from pipeline.source import TRACK_OLD, write_recent_yields, write_watermarks
 from pipeline.topics import BOUNDED_READ, broker_away, partition_offsets, read_topic
 
 LATE_REASON = "late: event time below its input partition's newest before it minus the allowed lateness"
@@ -182,9 +183,13 @@ def _by_pid(pids: np.ndarray, values: np.ndarray) -> dict[int, np.ndarray]:
     return {int(p): part for p, part in zip(found, np.split(values[order], starts[1:]), strict=True)}
 
 
-RESULTS_PER_TUPLE_BATCHES = 8
-"""The source bounds a batch's input by the most results per tuple among this many recent batches: the
-largest, since a backlog's batch makes more results per tuple than the trigger-sized ones before it."""
+HOT_SHARE = 0.25
+"""A batch that makes this share of `instance.max_results_per_batch` or more names its hottest pid and
+key in the log, at most every HOT_WARNING_EVERY_S."""
+HOT_WARNING_EVERY_S = 30.0
+RECENT_BATCHES = 8
+"""The source bounds a pid's input in a batch by this many of its recent batches' tuples and results
+(`pipeline.source.results_of`)."""
 
 
 class Evictions:
@@ -255,7 +260,7 @@ class ExactlyOnceSink:
         incarnation: str,
         checkpoint: Path,
         watermarks: Path,
-        results_per_tuple: Path,
+        recent_yields: Path,
         on_commit: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         from confluent_kafka import Producer
@@ -269,8 +274,8 @@ class ExactlyOnceSink:
         self._watermarks: dict[int, tuple[int, ...]] = {}
         self._last_lag: dict[str, int] = {}
         # Kept across restarts: it describes the workload, not this incarnation's state.
-        self.results_per_tuple_path = results_per_tuple
-        self._results_per_tuple: deque[float] = deque(maxlen=RESULTS_PER_TUPLE_BATCHES)
+        self.recent_yields_path = recent_yields
+        self._recent_yields: dict[int, deque[tuple[int, int]]] = {}
         self.producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
@@ -295,6 +300,7 @@ class ExactlyOnceSink:
         self._delivered: dict[int, int] = {}
         self._undelivered: dict[int, KafkaError] = {}
         self.last_end = time.monotonic()
+        self._warned_at = -HOT_WARNING_EVERY_S
         self.streams = cfg.streams
         self.on_commit = on_commit
         """Called with each committed batch's metrics record, after its commit (the instance's /metrics)."""
@@ -321,7 +327,7 @@ class ExactlyOnceSink:
         ready = BeforeCommit(*self._result_times(columns, kind), lag=self._lag(offsets["offsets"]))
 
         try:
-            metrics, results = self._attempts(
+            metrics = self._attempts(
                 batch_id, lambda: self._write(batch_id, offsets, columns, kind, started, ready)
             )
         except KafkaException as exc:
@@ -337,13 +343,40 @@ class ExactlyOnceSink:
         if self.on_commit is not None:
             self.on_commit(metrics)
         self._note_watermarks(offsets, columns, kind)
-        if metrics["tuples_in"]:
-            self._results_per_tuple.append(results / metrics["tuples_in"])
-            write_results_per_tuple(self.results_per_tuple_path, max(self._results_per_tuple))
+        self._note_yields(offsets, metrics)
+        self._warn_hot(metrics)
 
-    def _attempts(
-        self, batch_id: int, write: Callable[[], tuple[dict[str, Any], int]]
-    ) -> tuple[dict[str, Any], int]:
+    def _note_yields(self, offsets: dict[str, Any], metrics: dict[str, Any]) -> None:
+        """Note each pid's tuples and results, for the source to bound the next batches by
+        (`pipeline.source.pids_within`); pids no longer kept are forgotten."""
+        kept = offsets["offsets"].get(self.streams[0], {})
+        fed = {int(p): s for p, s in metrics["pids"].items() if s["in"]}
+        for p, stats in fed.items():
+            recent = self._recent_yields.setdefault(p, deque(maxlen=RECENT_BATCHES))
+            recent.append((int(stats["in"]), int(stats["results"])))
+        self._recent_yields = {p: r for p, r in self._recent_yields.items() if str(p) in kept}
+        if fed:
+            write_recent_yields(self.recent_yields_path, self._recent_yields)
+
+    def _warn_hot(self, metrics: dict[str, Any]) -> None:
+        """Name the pid and key behind a batch that made a large share of the results bound: later
+        batches take fewer tuples (`pipeline.source.tuples_within`), and the operator should know why."""
+        bound = self.cfg.instance.max_results_per_batch
+        now = time.monotonic()
+        if metrics["results"] < HOT_SHARE * bound or now - self._warned_at < HOT_WARNING_EVERY_S:
+            return
+        self._warned_at = now
+        pid, stats = max(metrics["pids"].items(), key=lambda item: int(item[1]["results"]))
+        key, by_key = stats["hot_key"] or (None, 0)
+        print(
+            f"{self.instance}: hot key: batch {metrics['batch']} made {metrics['results']:,} results from "
+            f"{metrics['tuples_in']:,} tuples ({metrics['results'] / bound:.0%} of "
+            f"instance.max_results_per_batch); pid {pid} made {int(stats['results']):,} of them, "
+            f"{by_key:,} on key {key}. Batches take fewer tuples while it lasts.",
+            flush=True,
+        )
+
+    def _attempts(self, batch_id: int, write: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """`write` (the batch's `_write`), again in a new transaction while the broker aborts it or is
         away (decisions 0048, 0052). The output is the same every time; an aborted attempt is invisible
         to read_committed readers."""
@@ -391,9 +424,9 @@ class ExactlyOnceSink:
         kind: np.ndarray,
         started: float,
         ready: BeforeCommit,
-    ) -> tuple[dict[str, Any], int]:
+    ) -> dict[str, Any]:
         """One transaction with the batch's whole output, its commit marker and its metrics; returns
-        the metrics and the number of results."""
+        the metrics."""
         self.producer.begin_transaction()
         self._begun, self._in_transaction = time.monotonic(), True
         results = self._produce_results(columns, kind == KIND_RESULT)
@@ -416,7 +449,7 @@ class ExactlyOnceSink:
             self._retrying(self.producer.abort_transaction)
             raise Fenced(f"{self.instance} was declared dead in epoch {evicted_in}; not committing")
         self._retrying(self.producer.commit_transaction)
-        return metrics, results
+        return metrics
 
     def _retrying(self, call: Callable[[float], None]) -> None:
         """Commit or abort, again while the broker answers that it may yet succeed (it is away: a
@@ -592,14 +625,16 @@ class ExactlyOnceSink:
                     "window_tuples": int(w),
                     "newest_ms": int(t),
                     "latency_sample": _sample(by_pid.get(int(p), np.empty(0)), 20),
+                    "hot_key": HotKey.decode(hot),
                 }
-                for p, n, r, b, w, t in zip(
+                for p, n, r, b, w, t, hot in zip(
                     columns["pid"][stats],
                     columns["id0"][stats],
                     columns["id1"][stats],
                     columns["aux"][stats],
                     columns["key"][stats],
                     columns["ts"][stats],
+                    columns["payload"][stats],
                     strict=True,
                 )
             },

@@ -181,24 +181,74 @@ def read_watermarks(path: Path) -> dict[str, Any]:
     return dict(_read_json(path) or {})
 
 
-def write_results_per_tuple(path: Path, ratio: float) -> None:
-    """The file of how many results recent batches made per input tuple."""
-    _replace_json(path, ratio)
+RESULTS_HEADROOM = 3.0
+"""Batches are planned at a third of `max_results`: while a pid's window fills (its first batches, or
+after a move), each new tuple finds more partners than the last batch's did. With two streams a batch
+that starts from an empty window makes up to three times as many results per tuple once the window
+holds as many tuples as the batch (twice from the window, once from each other); measured: 3.1x."""
+
+Yields = dict[int, list[tuple[int, int]]]
+"""Per pid, recent batches' (tuples in, results out), newest last."""
 
 
-def read_results_per_tuple(path: Path) -> float | None:
-    """The ratio `write_results_per_tuple` wrote; None before any batch with input."""
-    ratio = _read_json(path)
-    return None if ratio is None else float(ratio)
+def write_recent_yields(path: Path, yields: Mapping[int, Sequence[tuple[int, int]]]) -> None:
+    """The file of each pid's recent batches' tuples and results (the sink notes them)."""
+    _replace_json(path, {str(p): [list(r) for r in recent] for p, recent in yields.items()})
 
 
-def tuples_within(max_rows: int, max_results: int, results_per_tuple: float | None) -> int:
-    """A batch's input bound: `max_rows` tuples, fewer where recent batches' results per tuple would
-    make more than about `max_results` results (about: a bigger batch of the same keys makes more
-    results per tuple, and whole pids are taken; `whole_pids_within`)."""
-    if not results_per_tuple:
-        return max_rows
-    return max(1, min(max_rows, int(max_results / results_per_tuple)))
+def read_recent_yields(path: Path) -> Yields:
+    """What `write_recent_yields` wrote; empty before any batch with input."""
+    noted = _read_json(path)
+    if not isinstance(noted, dict):
+        return {}
+    return {int(p): [(int(t), int(r)) for t, r in recent] for p, recent in noted.items()}
+
+
+def results_of(tuples: float, recent: Sequence[tuple[int, int]], streams: int) -> float:
+    """About the most results `tuples` new tuples of one pid make, judged by its recent batches
+    (decision 0055). A pid never seen: the worst case, every tuple on one key within W, (n/m)^m."""
+    if not recent:
+        return float((tuples / streams) ** streams)
+    return max((_judged_by(tuples, t, r, streams) for t, r in recent if t), default=0.0)
+
+
+def _judged_by(n: float, t: int, r: int, streams: int) -> float:
+    """The results of n tuples, judged by a batch of t tuples that made r: (r+1)/t per tuple (+1: a
+    batch without results does not make the next one free) up to t tuples. Beyond t, a batch's tuples
+    also join each other, so the lesser of two bounds that each hold: results per tuple growing as
+    (n/t)^(m-1), as they do while the batch spans less than W (right where results came from within
+    the batch), or the same per tuple plus the worst the batch can make within itself, (n/m)^m (right
+    where they came from the window: a hot key's full window)."""
+    per_tuple = (r + 1) / t
+    if n <= t:
+        return per_tuple * n
+    return min(per_tuple * n * (n / t) ** (streams - 1), per_tuple * n + (n / streams) ** streams)
+
+
+def tuples_within(results: float, recent: Sequence[tuple[int, int]], streams: int) -> float:
+    """The most new tuples of one pid whose `results_of` stays within `results` (found by bisection:
+    `results_of` grows with the tuples)."""
+    if results <= 0:
+        return 0.0
+    low, high = 0.0, 1.0
+    while results_of(high, recent, streams) <= results and high < 1e15:
+        low, high = high, 2 * high
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if results_of(middle, recent, streams) <= results else (low, middle)
+    return low
+
+
+@dataclass(frozen=True, slots=True)
+class BatchBound:
+    """What bounds a batch: `messages` input messages, about `results` results (`results_of` per pid,
+    from `yields`), `per_message` tuples a message (sampled), `streams` joined."""
+
+    messages: float
+    results: float
+    per_message: float
+    streams: int
+    yields: Mapping[int, Sequence[tuple[int, int]]]
 
 
 def stream_max_at(noted: Mapping[str, Any], pid: int, cutoff: Mapping[str, int]) -> tuple[int, ...] | None:
@@ -284,35 +334,60 @@ def plan_partitions(ranges: Sequence[PidRange], max_tasks: int) -> list[list[Pid
     return tasks
 
 
-def whole_pids_within(start: Offsets, latest: Offsets, cap: int, first_pid: int) -> tuple[Offsets, int]:
-    """Cap a batch at about `cap` messages by taking whole pids (every stream of a pid up to its latest
-    offset) round robin from `first_pid`; returns the end offsets and the pid to start from next time.
+def pids_within(
+    start: Offsets, latest: Offsets, bound: BatchBound, first_pid: int
+) -> tuple[Offsets, int | None]:
+    """End offsets of a batch within `bound`, taking whole pids (every stream of a pid up to its latest
+    offset) round robin from `first_pid`; returns them and the pid to start from next time (None when
+    every pid was taken whole). A first pid that alone is over the bound is cut: each of its streams
+    the same share of its backlog (at least one message in all); the next batch begins with the pid
+    after it, so a hot pid's backlog takes one slice a round and never holds the others back.
 
     Whole pids keep a pid's streams close in event time: cutting each stream's backlog separately lets
     a sparse stream run seconds ahead of a dense one, and the window then holds the sparse stream's
-    tuples until the dense one catches up (lateness does not depend on it, decision 0047). At least one
-    pid is taken, however large its backlog.
+    tuples until the dense one catches up (lateness does not depend on it, decision 0047). Results do
+    not depend on where a batch ends, so a cut pid's output is the same.
     """
     streams = list(latest)
     pids = sorted(int(p) for p in latest[streams[0]])
     if not pids:
-        return latest, first_pid
+        return latest, None
     order = [p for p in pids if p >= first_pid] + [p for p in pids if p < first_pid]
     out: Offsets = {
         s: {str(p): start.get(s, {}).get(str(p), latest[s][str(p)]) for p in pids} for s in streams
     }
-    taken = 0
-    next_pid = order[0]
+    messages, results, taken = bound.messages, bound.results, False
     for i, p in enumerate(order):
-        size = sum(latest[s][str(p)] - out[s][str(p)] for s in streams)
-        if taken and taken + size > cap:
-            next_pid = p
-            break
-        for s in streams:
-            out[s][str(p)] = latest[s][str(p)]
-        taken += size
-        next_pid = order[(i + 1) % len(order)]
-    return out, next_pid
+        backlog = {s: latest[s][str(p)] - out[s][str(p)] for s in streams}
+        size = sum(backlog.values())
+        if not size:
+            continue
+        recent = bound.yields.get(p, ())
+        fits = min(messages, tuples_within(results, recent, bound.streams) / bound.per_message)
+        if size <= fits:
+            for s in streams:
+                out[s][str(p)] = latest[s][str(p)]
+            messages -= size
+            results -= results_of(size * bound.per_message, recent, bound.streams)
+            taken = True
+            continue
+        if taken:  # this pid waits for the next batch
+            return out, p
+        for s, n in _shares(backlog, max(1, int(fits))).items():
+            out[s][str(p)] += n
+        return out, order[(i + 1) % len(order)]
+    return out, None
+
+
+def _shares(backlog: Mapping[str, int], total: int) -> dict[str, int]:
+    """`total` messages spread over the streams in proportion to their backlogs (largest remainders
+    first): a slice of a few messages would lose most of itself to rounding each stream down."""
+    size = sum(backlog.values())
+    exact = {s: n * total / size for s, n in backlog.items()}
+    out = {s: int(x) for s, x in exact.items()}
+    for s in sorted(exact, key=lambda s: exact[s] - out[s], reverse=True)[: total - sum(out.values())]:
+        out[s] += 1
+    return out
 
 
 @dataclass(slots=True)
@@ -344,8 +419,8 @@ class ArrivalMeter:
 class FluxjoinSource(DataSource):
     """Options: `bootstrap`, `streams` (comma separated, configured order), `topics` (same order),
     `assignment` (path of the assignment file), `partitions` (P), `max_rows` (tuples per batch, about:
-    the source's default read limit), `max_results` and `results_per_tuple` (about how many results a
-    batch may make, and the path of the file the sink notes recent batches' results per tuple in),
+    the source's default read limit), `max_results` and `recent_yields` (about how many results a
+    batch may make, and the path of the file the sink notes recent batches' tuples and results in),
     `tasks` (read parallelism), `window_ms` and
     `lateness_ms` (how far back a replayed window reaches), `trigger_ms` (the time between batches:
     how much waiting input makes the instance behind), `poll_ms` (the query's trigger when shorter: how
@@ -403,8 +478,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self.partition_count = int(options["partitions"])
         self.max_rows = int(options.get("max_rows", "200000"))
         self.max_results = int(options.get("max_results", "4000000"))
-        path = options.get("results_per_tuple")
-        self.results_per_tuple_path = Path(path) if path else None
+        path = options.get("recent_yields")
+        self.recent_yields_path = Path(path) if path else None
         self.tasks = int(options["tasks"])
         self.window_ms = int(options.get("window_ms", "0"))
         self.lateness_ms = int(options.get("lateness_ms", "0"))
@@ -781,13 +856,17 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         if isinstance(limit, ReadAllAvailable):
             return latest, {}
         rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.max_rows
-        path = self.results_per_tuple_path
-        rows = tuples_within(rows, self.max_results, read_results_per_tuple(path) if path else None)
-        cap = max(1, int(rows / self._tuples_per_message(begin, latest)))
-        if backlog <= cap:
-            return latest, {}
-        cut, next_pid = whole_pids_within(begin, latest, cap, first_pid)
-        return cut, {"next_pid": next_pid}
+        path = self.recent_yields_path
+        per_message = self._tuples_per_message(begin, latest)
+        bound = BatchBound(
+            messages=max(1.0, rows / per_message),
+            results=self.max_results / RESULTS_HEADROOM,
+            per_message=per_message,
+            streams=len(self.streams),
+            yields=read_recent_yields(path) if path else {},
+        )
+        cut, next_pid = pids_within(begin, latest, bound, first_pid)
+        return cut, {} if next_pid is None else {"next_pid": next_pid}
 
     def _tuples_per_message(self, start: Offsets, latest: Offsets, samples: int = 4) -> float:
         """Tuples per message, from the middle message of the backlogs of the partitions with the largest

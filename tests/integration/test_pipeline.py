@@ -183,30 +183,6 @@ def test_a_paced_instance_runs_its_batches_a_trigger_apart_and_stays_exact(
     assert said[-1][0] >= 0 and all(t <= b["time_ms"] for (_, t), b in zip(said, beats, strict=True))
 
 
-def test_batches_take_fewer_pids_once_they_are_seen_to_make_many_results(
-    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
-) -> None:
-    """A backlog of 7,500 tuples per pid, read 20,000 tuples at a time: the first batch takes two
-    pids. With at most 1,000 results per batch, the results per tuple it made bound each later batch
-    below one pid's backlog, so each takes one pid (whole pids, at least one); the output stays exact."""
-    cfg = small_config(
-        topic_prefix,
-        "generator.max_tuples=60000",
-        "generator.duration_s=null",
-        "instance.max_results_per_batch=1000",
-    )
-    run_generator(cfg, kafka_bootstrap)
-    pipeline = drain_with_one_instance(cfg, kafka_bootstrap, tmp_path)
-    records = [json.loads(v) for _, _, v in read_topic(kafka_bootstrap, cfg.metrics_topic)]
-    fed = [b for b in records if b.get("kind") == "batch" and b["tuples_in"]]
-    pids_read = [sum(1 for s in b["pids"].values() if s["in"]) for b in fed]
-    assert pids_read[0] == 2, pids_read
-    assert set(pids_read[1:]) == {1}, pids_read
-    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
-    assert report.expected > 10_000
-    assert report.exact, report.describe()
-
-
 def test_three_way_join_is_exact(kafka_bootstrap: str, topic_prefix: str, tmp_path: Path) -> None:
     cfg = small_config(
         topic_prefix,

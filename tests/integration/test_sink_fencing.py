@@ -40,7 +40,7 @@ def _sink(
         incarnation,
         work / "checkpoint",
         work / "watermarks.json",
-        work / "results_per_tuple.json",
+        work / "recent_yields.json",
     )
 
 

@@ -11,11 +11,14 @@ from hypothesis import strategies as st
 from pipeline.join import (
     PROGRESS_ID,
     Part,
+    StepOutput,
     WindowState,
     begin_new_track,
     begin_old_track,
+    join_bounded,
     join_parts,
     join_step,
+    merge_size,
     window_from_bytes,
     window_to_bytes,
 )
@@ -44,14 +47,26 @@ def result_set(ids: np.ndarray) -> list[tuple[int, ...]]:
     return [tuple(int(x) for x in col) for col in ids.T]
 
 
+def step_results(out: StepOutput) -> list[tuple[int, ...]]:
+    return [r for chunk in out.results for r in result_set(chunk.ids)]
+
+
 stream_tuples = st.lists(
     st.tuples(st.integers(0, 3), st.integers(0, 40)),  # (key, ts); ids assigned by position
     max_size=25,
 )
 
 
-def _run(state: WindowState, streams: list[list[Tuple3]], cuts: list[list[int]], window: int, lateness: int):
-    """Feed `streams` in batches cut at `cuts`; returns the final state, results and late ids."""
+def _run(
+    state: WindowState,
+    streams: list[list[Tuple3]],
+    cuts: list[list[int]],
+    window: int,
+    lateness: int,
+    chunk: int = 1_000_000,
+):
+    """Feed `streams` in batches cut at `cuts`, results in chunks of `chunk`; returns the final state,
+    results and late ids."""
     produced: list[tuple[int, ...]] = []
     late: list[set[int]] = [set() for _ in streams]
     batches = len(cuts[0]) + 1
@@ -60,8 +75,10 @@ def _run(state: WindowState, streams: list[list[Tuple3]], cuts: list[list[int]],
         for j, s in enumerate(streams):
             bounds = [0, *cuts[j], len(s)]
             new.append(as_part(s[bounds[b] : bounds[b + 1]]))
-        out = join_step(state, new, window, lateness)
-        produced += result_set(out.results.ids)
+        out = join_step(state, new, window, lateness, chunk)
+        chunks = list(out.results)
+        assert all(len(c) <= chunk for c in chunks)
+        produced += [r for c in chunks for r in result_set(c.ids)]
         for j, p in enumerate(out.late):
             late[j] |= set(p.ids.tolist())
         state = window_from_bytes(window_to_bytes(out.state))
@@ -74,9 +91,10 @@ def _run(state: WindowState, streams: list[list[Tuple3]], cuts: list[list[int]],
     data=st.data(),
     window=st.integers(0, 12),
     batches=st.integers(1, 4),
+    chunk=st.sampled_from([1, 2, 5, 1_000_000]),
 )
 def test_incremental_join_equals_brute_force_when_nothing_is_late(
-    m: int, data: st.DataObject, window: int, batches: int
+    m: int, data: st.DataObject, window: int, batches: int, chunk: int
 ) -> None:
     raw = [data.draw(stream_tuples) for _ in range(m)]
     streams = [[(i, k, t) for i, (k, t) in enumerate(s)] for s in raw]
@@ -86,7 +104,7 @@ def test_incremental_join_equals_brute_force_when_nothing_is_late(
         for s in streams
     ]
     # An allowed lateness that covers every possible disorder: nothing is late.
-    _, produced, late = _run(WindowState.empty(m), streams, cuts, window, lateness=100)
+    _, produced, late = _run(WindowState.empty(m), streams, cuts, window, lateness=100, chunk=chunk)
     assert all(not ids for ids in late)
     assert sorted(produced) == sorted(brute_force(streams, window))
     assert len(produced) == len(set(produced)), "a result was produced twice"
@@ -107,7 +125,7 @@ def test_late_tuples_are_reported_not_joined() -> None:
     assert out.state.stream_max == (1000, 995)
     late_a = as_part([(5, 1, 989), (6, 1, 990)])
     out2 = join_step(out.state, [late_a, as_part([])], window_ms=50, allowed_lateness_ms=10)
-    assert result_set(out2.results.ids) == [(6, 9)]
+    assert step_results(out2) == [(6, 9)]
     assert out2.late[0].ids.tolist() == [5]
 
 
@@ -116,7 +134,7 @@ def test_a_stream_is_never_late_because_another_stream_is_ahead() -> None:
     ahead = join_step(WindowState.empty(2), [as_part([(0, 1, 60_000)]), as_part([])], 1_000, 2_000)
     behind = join_step(ahead.state, [as_part([]), as_part([(0, 1, 100), (1, 1, 59_500)])], 1_000, 2_000)
     assert not any(len(p) for p in behind.late)
-    assert result_set(behind.results.ids) == [(0, 1)]
+    assert step_results(behind) == [(0, 1)]
 
 
 def test_purge_keeps_exactly_what_future_tuples_can_match() -> None:
@@ -132,7 +150,7 @@ def test_a_progress_record_raises_its_stream_and_purges_the_others() -> None:
     silent_b = as_part([(PROGRESS_ID, 0, 100)])
     out = join_step(WindowState.empty(2), [a, silent_b], 30, 20)
     assert out.state.parts[0].ts.tolist() == [100] and len(out.state.parts[1]) == 0
-    assert out.state.stream_max == (100, 100) and not len(out.results)
+    assert out.state.stream_max == (100, 100) and not step_results(out)
     late_b = join_step(out.state, [as_part([]), as_part([(3, 1, 79)])], 30, 20)
     assert late_b.late[1].ids.tolist() == [3], "after the progress record at 100, 79 is late"
 
@@ -235,3 +253,24 @@ def test_sender_lets_go_once_every_stream_passed_its_old_tuples() -> None:
     receiver = join_step(receiver, [as_part([]), as_part([(2, 1, 200)])], 10, 5).state
     assert receiver.old_max is None
     assert window_from_bytes(window_to_bytes(receiver)) == receiver
+
+
+def test_a_hot_keys_results_come_out_in_bounded_chunks_and_all_of_them() -> None:
+    """One key, 1,000 tuples in each stream, all within W: a million results, none of the chunks (nor
+    the merges making them) over the bound."""
+    n = 1_000
+    a = Part(np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64))
+    b = Part(np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64))
+    out = join_step(WindowState.empty(2), [a, b], window_ms=10_000, allowed_lateness_ms=0, chunk=50_000)
+    sizes = [len(c) for c in out.results]
+    assert max(sizes) <= 50_000
+    assert sum(sizes) == n * n
+
+
+def test_the_merge_size_counts_a_merge_that_a_later_part_empties() -> None:
+    """Key 1 is in the two small parts 100 x 100 times but not in the third: the first merge still
+    holds 10,000 rows, which the bound must count although no result has key 1."""
+    ones = as_part([(i, 1, 0) for i in range(100)])
+    other = as_part([(i, 2, 0) for i in range(200)])
+    assert merge_size([ones, ones, other]) == 10_000
+    assert list(join_bounded([ones, ones, other], 10, chunk=5_000)) == []

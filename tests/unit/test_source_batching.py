@@ -1,5 +1,5 @@
-"""How the instance's source caps a batch: whole pids, round robin, fewer tuples where recent batches made
-many results per tuple (pure part of pipeline/source.py)."""
+"""How the instance's source caps a batch: whole pids round robin, a pid over the cap cut, fewer tuples
+where a batch could make too many results (pure part of pipeline/source.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ from pathlib import Path
 
 from pipeline.source import (
     ArrivalMeter,
-    read_results_per_tuple,
+    BatchBound,
+    pids_within,
+    read_recent_yields,
+    results_of,
     tuples_within,
-    whole_pids_within,
-    write_results_per_tuple,
+    write_recent_yields,
 )
 
 
@@ -20,25 +22,43 @@ def offsets(**by_stream: dict[int, int]) -> dict[str, dict[str, int]]:
 
 START = offsets(A={0: 0, 1: 0, 2: 0}, B={0: 0, 1: 0, 2: 0})
 LATEST = offsets(A={0: 10, 1: 2, 2: 30}, B={0: 1, 1: 20, 2: 30})
+SEEN = {p: [(1_000, 0)] for p in range(3)}  # results bound nothing here
+
+
+def messages(
+    cap: float, yields: dict[int, list[tuple[int, int]]] | None = None, results: float = 1e9
+) -> BatchBound:
+    return BatchBound(cap, results, 1.0, 2, SEEN if yields is None else yields)
 
 
 def test_a_pid_is_taken_whole_or_not_at_all() -> None:
-    cut, next_pid = whole_pids_within(START, LATEST, cap=35, first_pid=0)
+    cut, next_pid = pids_within(START, LATEST, messages(35), first_pid=0)
     assert cut == offsets(A={0: 10, 1: 2, 2: 0}, B={0: 1, 1: 20, 2: 0})  # 11 + 22 messages
     assert next_pid == 2
 
 
 def test_the_next_batch_starts_where_the_last_stopped_and_wraps_round() -> None:
-    cut, next_pid = whole_pids_within(START, LATEST, cap=35, first_pid=2)
-    assert cut == offsets(A={0: 0, 1: 0, 2: 30}, B={0: 0, 1: 0, 2: 30})  # pid 2 alone is over the cap
+    cut, next_pid = pids_within(START, LATEST, messages(35), first_pid=1)
+    assert cut == offsets(A={0: 0, 1: 2, 2: 0}, B={0: 0, 1: 20, 2: 0})  # pid 2 does not fit beside it
+    assert next_pid == 2
+
+
+def test_a_pid_over_the_cap_alone_is_cut_in_the_same_share_of_each_stream_and_the_others_go_next() -> None:
+    cut, next_pid = pids_within(START, LATEST, messages(35), first_pid=2)
+    assert cut == offsets(A={0: 0, 1: 0, 2: 18}, B={0: 0, 1: 0, 2: 17})  # 35 messages, half each
     assert next_pid == 0
+    tiny, _ = pids_within(START, LATEST, messages(1), first_pid=2)
+    assert sum(tiny[s]["2"] for s in tiny) == 1, "always some input"
+    three, _ = pids_within(START, LATEST, messages(3.9), first_pid=2)
+    assert sum(three[s]["2"] for s in three) == 3, "no message lost to rounding each stream down"
 
 
 def test_every_pid_is_served_within_a_round() -> None:
     served: set[int] = set()
     start, first = START, 0
-    for _ in range(3):
-        cut, first = whole_pids_within(start, LATEST, cap=5, first_pid=first)
+    for _ in range(30):
+        cut, after = pids_within(start, LATEST, messages(5), first_pid=first)
+        first = after if after is not None else 0
         served |= {int(p) for p in cut["A"] if cut["A"][p] == LATEST["A"][p]}
         start = cut
     assert served == {0, 1, 2}
@@ -46,7 +66,7 @@ def test_every_pid_is_served_within_a_round() -> None:
 
 def test_nothing_to_cut_without_pids() -> None:
     empty = offsets(A={}, B={})
-    assert whole_pids_within(empty, empty, cap=5, first_pid=3) == (empty, 3)
+    assert pids_within(empty, empty, messages(5), first_pid=3) == (empty, None)
 
 
 def test_arrivals_are_measured_between_two_plans() -> None:
@@ -77,18 +97,62 @@ def test_nobody_is_behind_before_arrivals_are_known() -> None:
     assert not meter.behind(waiting=123, horizon_s=1.0)
 
 
-def test_a_batch_takes_fewer_tuples_where_each_makes_many_results() -> None:
-    assert tuples_within(200_000, 4_000_000, None) == 200_000  # nothing known yet
-    assert tuples_within(200_000, 4_000_000, 0.0) == 200_000  # recent batches made no results
-    assert tuples_within(200_000, 4_000_000, 10.0) == 200_000
-    assert tuples_within(200_000, 4_000_000, 40.0) == 100_000
-    assert tuples_within(200_000, 1_000, 1e9) == 1  # always some input
+def test_a_pid_never_seen_is_bounded_by_all_its_tuples_on_one_key() -> None:
+    assert round(tuples_within(4_000_000, [], streams=2)) == 4_000  # (4,000 / 2)^2 = 4 million
+    assert round(tuples_within(1_000_000, [], streams=3)) == 300  # (300 / 3)^3 = 1 million
+    assert results_of(4_000, [], streams=2) == 4_000_000
 
 
-def test_the_results_per_tuple_file_reads_back_what_the_sink_wrote(tmp_path: Path) -> None:
-    path = tmp_path / "results_per_tuple.json"
-    assert read_results_per_tuple(path) is None
-    write_results_per_tuple(path, 27.5)
-    write_results_per_tuple(path, 31.25)
-    assert read_results_per_tuple(path) == 31.25
+def test_a_pid_takes_fewer_tuples_where_each_makes_many_results() -> None:
+    assert round(tuples_within(4_000_000, [(400_000, 3_999_999)], streams=2)) == 400_000  # 10 a tuple
+    assert round(tuples_within(4_000_000, [(200_000, 7_999_999)], streams=2)) == 100_000  # 40 a tuple
+    assert tuples_within(0, [(200_000, 0)], streams=2) == 0
+
+
+def test_a_pid_grows_from_a_smaller_batch_as_if_its_tuples_all_joined_each_other() -> None:
+    """1,000 tuples made 10 results each: 4 million allows 400,000 at that rate, but if results per
+    tuple grow with the batch (a hot key's tuples join each other), n^2 / 1,000 * 10 <= 4 million."""
+    assert round(tuples_within(4_000_000, [(1_000, 9_999)], streams=2)) == 20_000
+    assert round(results_of(20_000, [(1_000, 9_999)], streams=2)) == 4_000_000
+    # every recent batch bounds it: the smallest bound wins
+    assert round(tuples_within(4_000_000, [(20_000, 199_999), (1_000, 9_999)], streams=2)) == 20_000
+
+
+def test_a_pid_whose_results_come_from_a_full_window_grows_by_what_its_tuples_add_themselves() -> None:
+    """64 tuples made 800 results each (a hot key's full window): 200 tuples make at most 800 each
+    and (200 / 2)^2 among themselves, less than the (200 / 64) growth per tuple would say."""
+    recent = [(64, 51_199)]
+    assert round(results_of(200, recent, streams=2)) == 800 * 200 + 100**2
+    assert 190 < tuples_within(167_000, recent, streams=2) < 200
+
+
+def test_a_hot_pid_is_cut_and_batches_stay_within_their_bound_from_the_first() -> None:
+    """A stand-in for the kernel: pid 1's tuples all on one key within W (n^2 / 4 results for two
+    streams), pids 0 and 2 none. Planned from nothing known, no batch makes more than the bound, and
+    every pid keeps being served."""
+    latest = offsets(A={0: 10_000, 1: 10_000, 2: 10_000}, B={0: 10_000, 1: 10_000, 2: 10_000})
+    start, first = START, 0
+    yields: dict[int, list[tuple[int, int]]] = {}
+    served: list[set[int]] = []
+    for _ in range(12):
+        bound = BatchBound(1e9, 100_000, 1.0, 2, yields)
+        end, after = pids_within(start, latest, bound, first)
+        taken = {p: sum(end[s][str(p)] - start[s][str(p)] for s in end) for p in range(3)}
+        made = {p: (n // 2) ** 2 if p == 1 else 0 for p, n in taken.items()}
+        assert sum(made.values()) <= 100_000, made
+        for p, n in taken.items():
+            if n:
+                yields[p] = [*yields.get(p, []), (n, made[p])][-8:]
+        served.append({p for p, n in taken.items() if n})
+        start, first = end, after if after is not None else 0
+    assert all(start[s][str(p)] == 10_000 for s in start for p in (0, 2)), "the cold pids were read up"
+    assert all(1 in set().union(*served[i : i + 3]) for i in range(len(served) - 2)), "a slice a round"
+
+
+def test_the_recent_yields_file_reads_back_what_the_sink_wrote(tmp_path: Path) -> None:
+    path = tmp_path / "recent_yields.json"
+    assert read_recent_yields(path) == {}
+    write_recent_yields(path, {3: [(10, 20)]})
+    write_recent_yields(path, {3: [(10, 20), (30, 40)], 5: [(1, 0)]})
+    assert read_recent_yields(path) == {3: [(10, 20), (30, 40)], 5: [(1, 0)]}
     assert [f.name for f in tmp_path.iterdir()] == [path.name]
