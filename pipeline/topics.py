@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
@@ -275,6 +278,9 @@ def read_records(
 ) -> Iterator[tuple[int, int, bytes | None]]:
     """Every committed message of `topic` up to its current end, tombstones (None) included.
 
+    A broker that is away, at the start or mid-read, is waited for however long, saying so once on
+    stderr; the read fails after `timeout_s` without a message only while the broker answers.
+
     The end is the last stable offset: what another producer's transaction still open holds back, even
     messages committed after its first, is left out. `settled` reads to the high watermark instead, once
     every transaction below it has ended (`await_settled`): everything committed before the call."""
@@ -289,8 +295,9 @@ def read_records(
         }
         | BOUNDED_READ
     )
+    away = _Away(topic)
     try:
-        meta = consumer.list_topics(topic, timeout=30).topics[topic]
+        meta = away.wait_out(lambda: consumer.list_topics(topic, timeout=30)).topics[topic]
         if meta.error is not None:
             raise RuntimeError(f"topic {topic}: {meta.error}")
         ends: dict[int, int] = {}
@@ -298,31 +305,78 @@ def read_records(
         if settled:
             await_settled(admin_client(bootstrap), [(topic, p) for p in meta.partitions])
         for p in sorted(meta.partitions):
-            low, high = watermark_offsets(consumer, TopicPartition(topic, p))
+            low, high = away.wait_out(partial(watermark_offsets, consumer, TopicPartition(topic, p)))
             if high > low:
                 ends[p] = high
                 assign.append(TopicPartition(topic, p, low))
         consumer.assign(assign)
         pending = set(ends)
-        deadline = time.monotonic() + timeout_s
+        progress = time.monotonic()
         while pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{topic}: could not read to the end within {timeout_s:.0f} s")
             for msg in consumer.consume(num_messages=10_000, timeout=1.0):
                 err = msg.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
                         pending.discard(msg.partition())
                         continue
+                    if broker_away(KafkaException(err)):  # the client reconnects by itself
+                        away.note(err.str())
+                        continue
                     raise RuntimeError(f"reading {topic}: {err}")
                 partition, offset, value = msg.partition(), msg.offset(), msg.value()
                 assert partition is not None and offset is not None
+                progress, away.announced = time.monotonic(), False
                 if offset >= ends[partition] - 1:
                     pending.discard(partition)
                 if offset < ends[partition]:
                     yield partition, offset, value
+            if pending and time.monotonic() - progress > timeout_s:
+                if not _answers(consumer, TopicPartition(topic, min(pending))):
+                    away.note("no answer to an offset lookup")
+                    progress = time.monotonic()
+                    continue
+                raise TimeoutError(f"{topic}: nothing read for {timeout_s:.0f} s although the broker answers")
     finally:
         consumer.close()
+
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Away:
+    """A reader's outages: each announced once on stderr, every call retried while the broker is away."""
+
+    topic: str
+    announced: bool = False
+
+    def note(self, why: str) -> None:
+        if not self.announced:
+            print(
+                f"reading {self.topic}: the broker is away ({why}); waiting for it",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.announced = True
+
+    def wait_out(self, call: Callable[[], T]) -> T:
+        while True:
+            try:
+                return call()
+            except (KafkaException, TimeoutError) as exc:
+                if not broker_away(exc):
+                    raise
+                self.note(exc.args[0].str() if isinstance(exc, KafkaException) else str(exc))
+                time.sleep(1.0)
+
+
+def _answers(consumer: Consumer, tp: TopicPartition) -> bool:
+    """Whether the broker answers an offset lookup for `tp` now; any failure counts as away."""
+    try:
+        consumer.get_watermark_offsets(tp, timeout=DEFAULT_TIMEOUT_S)
+    except KafkaException:
+        return False
+    return True
 
 
 SETTLE_TIMEOUT_S = 60.0

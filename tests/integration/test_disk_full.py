@@ -13,6 +13,7 @@ from pathlib import Path
 
 from controller.local import LocalPipeline, committed_offsets, wait_drained
 from pipeline.oracle import verify_pipeline
+from tests.integration.test_faults import report_recovery
 from tests.integration.test_pipeline import _free_port, _get, small_config, wait_until
 
 FULL_FOR_S = 25
@@ -103,6 +104,7 @@ def test_a_full_checkpoint_disk_is_waited_out_and_loses_nothing(
                 readiness.append((time.monotonic() - full_at, *_probe(port)))
                 time.sleep(1)
             filler.unlink()
+            room_ms = int(time.time() * 1000)
             pipeline.procs["generator"].wait(120)
             wait_drained(pipeline, timeout_s=300)
             pipeline.check_alive()
@@ -118,3 +120,4 @@ def test_a_full_checkpoint_disk_is_waited_out_and_loses_nothing(
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
     assert report.expected > 1_000, report.describe()
     assert report.exact, report.describe()
+    report_recovery(pipeline.cfg, kafka_bootstrap, "disk-full-25s", room_ms, ["instance-0"], report)
