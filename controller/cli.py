@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, NoReturn, TypeVar
 
 import typer
+from confluent_kafka import KafkaException
 
 from controller.assignment import HandoffMode
 from pipeline.config import Config, ConfigError, load_config
@@ -71,6 +72,23 @@ def _bootstrap(cfg: Config) -> str:
     if address is None:
         fail("no Kafka broker: run `fluxjoin kafka start` first, or pass --bootstrap HOST:PORT")
     return address
+
+
+def _reachable(cfg: Config) -> str:
+    """`_bootstrap`, checked to answer within 10 s: one line and exit status 2 when it does not."""
+    from pipeline.topics import BrokerUnreachable, check_reachable
+
+    address = _bootstrap(cfg)
+    try:
+        check_reachable(address)
+    except BrokerUnreachable as exc:
+        fail(str(exc))
+    return address
+
+
+def _kafka_reason(exc: Exception) -> str:
+    """A Kafka client's failure in a few words (its error's own text, not the exception's repr)."""
+    return exc.args[0].str() if isinstance(exc, KafkaException) and exc.args else str(exc)
 
 
 @kafka_app.command("start")
@@ -169,7 +187,8 @@ def verify(
     config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOpt = None, json_: JsonOpt = False
 ) -> None:
     """Judge the results topic and the late dead letters against the input topics alone: the expected
-    join is counted by the lateness rule of each input partition (exit 0 iff exact)."""
+    join is counted by the lateness rule of each input partition (exit 0: exact, 1: not exact, 2: could
+    not judge)."""
     from pipeline.oracle import verify_pipeline
 
     cfg = _config(config, set_, bootstrap)
@@ -177,8 +196,8 @@ def verify(
         report = verify_pipeline(cfg, _bootstrap(cfg), progress=_progress(json_))
     except _user_errors() as exc:
         fail(str(exc))
-    except TimeoutError as exc:  # a topic that could not be read to its end in time
-        fail(str(exc))
+    except Exception as exc:  # could not judge: never the "not exact" of exit status 1
+        fail(f"could not verify: {type(exc).__name__}: {exc}")
     print(json.dumps(report.as_dict()) if json_ else report.describe())
     raise typer.Exit(0 if report.exact else 1)
 
@@ -294,8 +313,11 @@ def move(
         wanted = sorted(parse_pids(pids, cfg.partitions))
     except ValueError as exc:
         fail(str(exc))
-    address = _bootstrap(cfg)
-    request = request_moves(cfg, address, wanted, to, _mode(mode), wait_s=wait)
+    address = _reachable(cfg)
+    try:
+        request = request_moves(cfg, address, wanted, to, _mode(mode), wait_s=wait)
+    except (KafkaException, RuntimeError) as exc:
+        fail(f"the move request did not reach Kafka at {address}: {_kafka_reason(exc)}")
     print(f"requested {request.request_id}: pids {pids} -> {to} ({request.mode.value})")
     if wait <= 0:
         return
@@ -317,10 +339,13 @@ def status(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOp
     from controller.status import describe_status
 
     cfg = _config(config, set_, bootstrap)
+    address = _reachable(cfg)
     try:
-        print(describe_status(cfg, _bootstrap(cfg)))
+        print(describe_status(cfg, address))
     except _user_errors() as exc:
         fail(str(exc))
+    except KafkaException as exc:
+        fail(f"Kafka at {address}: {_kafka_reason(exc)}")
 
 
 @app.command("operator")

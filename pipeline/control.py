@@ -34,6 +34,8 @@ from pipeline.protocol import (
 from pipeline.source import owned_pids, read_assignment, write_assignment
 from pipeline.topics import watermark_offsets
 
+RECONNECT_MAX_MS = 1000
+"""The most a heartbeat producer waits between attempts to reach a broker that is away."""
 SNAPSHOT_EVERY = 1000
 """Control messages between two of the controller's snapshots: records deleted below any but the
 newest thousand messages leave a snapshot after them to start from. Reading one costs a reader that has
@@ -229,9 +231,17 @@ class InstanceFollower:
 
         self.cfg, self.instance, self.incarnation, self.assignment = cfg, instance, incarnation, assignment
         self.log = log
-        self._producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
+        # Back within a second of the broker: after a long outage the client's reconnect backoff has grown
+        # to its default maximum of 10 s, the controller's heartbeat timeout (decision 0052).
+        self._producer = Producer(
+            {"bootstrap.servers": bootstrap, "linger.ms": 0, "reconnect.backoff.max.ms": RECONNECT_MAX_MS}
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="control-follower", daemon=True)
+        self._beating = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._beat_lock = threading.Lock()  # an eviction read and a heartbeat never cross
+        self._epoch_read = -1
+        """The newest epoch read and found not to evict this incarnation: what a heartbeat names."""
         self.serving = False
         """Set by the instance once its query has completed a batch. Heartbeats start before Spark
         does, so that a restarting instance is not taken for dead; until it serves, the controller
@@ -271,55 +281,71 @@ class InstanceFollower:
         unseen = f"{self.instance}@?" in msg.evicted  # a controller that never heard it evicted the name
         if self._unseen is None:
             self._unseen = unseen  # listed before this incarnation began: not about it
-        if f"{self.instance}@{self.incarnation}" in msg.evicted or (unseen and not self._unseen):
-            self.evicted.set()
-            return
+        with self._beat_lock:
+            if f"{self.instance}@{self.incarnation}" in msg.evicted or (unseen and not self._unseen):
+                self.evicted.set()
+                return
+            self._epoch_read = msg.epoch
         if self.assignment.exists() and read_assignment(self.assignment).epoch >= msg.epoch:
             return
         write_assignment(self.assignment, owned_pids(msg, self.instance))
 
     def heartbeat(self) -> None:
-        beat = {
-            "kind": "heartbeat",
-            "instance": self.instance,
-            "incarnation": self.incarnation,
-            "serving": self.serving,
-            "epoch": read.epoch if (read := self.log.view.assignment) is not None else -1,
-            **self.progress,
-            "time_ms": int(time.time() * 1000),  # the controller ages it by the broker's clock
-        }
-        if self.progress:
-            beat["stalled_ms"] = int((time.monotonic() - self._progressed_at) * 1000)
-        self._producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(beat))
+        """One heartbeat, unless this incarnation has read its eviction: one more would pass for a
+        rejoin (it names the newest epoch read, `_epoch_read`)."""
+        with self._beat_lock:
+            if self.evicted.is_set():
+                return
+            beat = {
+                "kind": "heartbeat",
+                "instance": self.instance,
+                "incarnation": self.incarnation,
+                "serving": self.serving,
+                "epoch": self._epoch_read,
+                **self.progress,
+                "time_ms": int(time.time() * 1000),  # the controller ages it by the broker's clock
+            }
+            if self.progress:
+                beat["stalled_ms"] = int((time.monotonic() - self._progressed_at) * 1000)
+            self._producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(beat))
         self._producer.poll(0)
 
     def start(self) -> None:
         self._thread.start()
+        self._beating.start()
 
-    def _run(self, period_s: float = 0.1, beat_every_s: float = 1.0) -> None:
-        last_beat, unwritten = 0.0, ""
+    def _beat(self, every_s: float = 1.0) -> None:
+        """Heartbeat on a thread of its own: reading the control log can block for many seconds after an
+        outage (its client reconnecting, a lookup retried), and a heartbeat held behind it made the
+        controller declare a live instance dead once the broker was back (decision 0052)."""
         while not self._stop.is_set() and not self.evicted.is_set():
             try:
-                try:
-                    self.sync()
-                except OSError as exc:  # a full disk: the assignment file waits, the heartbeat must not
-                    if repr(exc) != unwritten:
-                        print(f"{self.instance}: assignment not written ({exc}); trying again", flush=True)
-                    unwritten = repr(exc)
-                if self.evicted.is_set():
-                    break  # not one more heartbeat: the controller would take it for a rejoin
-                if time.monotonic() - last_beat >= beat_every_s:
-                    self.heartbeat()
-                    last_beat = time.monotonic()
-                self.log.await_news(period_s)
-            except Exception as exc:  # keep following; the next round retries
-                print(f"{self.instance}: control follower: {exc!r}", flush=True)
+                self.heartbeat()
+            except Exception as exc:  # BufferError while the broker is away: the next beat retries
+                print(f"{self.instance}: heartbeat not sent ({exc!r})", flush=True)
+            self._stop.wait(every_s)
+
+    def _run(self, period_s: float = 0.1) -> None:
+        """Follow the control log: write each newer assignment to the file the query reads, and stop at
+        this incarnation's eviction. A failure (a broker away, a full disk) is said once and retried."""
+        said = ""
+        while not self._stop.is_set() and not self.evicted.is_set():
+            try:
+                self.sync()
+                if not self.evicted.is_set():
+                    self.log.await_news(period_s)
+            except Exception as exc:
+                what = "assignment not written" if isinstance(exc, OSError) else "control log not read"
+                if f"{what}{exc!r}" != said:
+                    print(f"{self.instance}: {what} ({exc!r}); trying again", flush=True)
+                said = f"{what}{exc!r}"
                 self._stop.wait(period_s)
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5)
+        for thread in (self._thread, self._beating):
+            if thread.is_alive():
+                thread.join(5)
         self._producer.flush(5)
 
 

@@ -421,6 +421,9 @@ def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float =
                 raise
             if time.monotonic() > deadline:
                 raise
+            if error.code() == KafkaError._UNKNOWN_PARTITION:  # its metadata lost in an outage: ask again
+                with contextlib.suppress(KafkaException):
+                    consumer.list_topics(tp.topic, timeout=5)
             time.sleep(0.2)
 
 
