@@ -32,8 +32,10 @@ from pipeline.protocol import (
     encode,
 )
 from pipeline.source import owned_pids, read_assignment, write_assignment
-from pipeline.topics import watermark_offsets
+from pipeline.topics import broker_away, watermark_offsets
 
+STUCK_S = 5.0
+"""A reader that fetches nothing for this long while the log holds more assigns its partition again."""
 RECONNECT_MAX_MS = 1000
 """The most a heartbeat producer waits between attempts to reach a broker that is away."""
 SNAPSHOT_EVERY = 1000
@@ -163,9 +165,18 @@ class ControlLog:
         from confluent_kafka import TopicPartition
 
         assert self._next is not None
+        moved_at, at = time.monotonic(), self._next
         while self._next < high and not self._skipped:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"control log not readable up to offset {high}")
+            if self._next != at:
+                moved_at, at = now, self._next
+            elif now - moved_at > STUCK_S:
+                # The broker answered where the log ends, yet nothing arrives: after a broker restart the
+                # client's fetcher for the partition can stay stuck; assigning it again starts it afresh.
+                self._consumer.assign([TopicPartition(self.topic, 0, self._next)])
+                moved_at = now
             # A short wait: consume returns early only with all the messages asked for, and the
             # transaction markers among the offsets below `high` are never delivered (the position
             # passes them).
@@ -242,6 +253,8 @@ class InstanceFollower:
         self._beat_lock = threading.Lock()  # an eviction read and a heartbeat never cross
         self._epoch_read = -1
         """The newest epoch read and found not to evict this incarnation: what a heartbeat names."""
+        self.broker_away = ""
+        """Why the control log cannot be read now because the broker is away ("" while it can)."""
         self.serving = False
         """Set by the instance once its query has completed a batch. Heartbeats start before Spark
         does, so that a restarting instance is not taken for dead; until it serves, the controller
@@ -332,10 +345,18 @@ class InstanceFollower:
         while not self._stop.is_set() and not self.evicted.is_set():
             try:
                 self.sync()
+                self.broker_away = ""
                 if not self.evicted.is_set():
                     self.log.await_news(period_s)
             except Exception as exc:
-                what = "assignment not written" if isinstance(exc, OSError) else "control log not read"
+                away = broker_away(exc)  # a TimeoutError is an OSError too: not the full disk below
+                if away:
+                    self.broker_away = repr(exc)
+                what = (
+                    "assignment not written"
+                    if isinstance(exc, OSError) and not away
+                    else "control log not read"
+                )
                 if f"{what}{exc!r}" != said:
                     print(f"{self.instance}: {what} ({exc!r}); trying again", flush=True)
                 said = f"{what}{exc!r}"

@@ -83,6 +83,7 @@ class InstanceHealth:
         self._progress_ms: int | None = None
         self._progressed_at = self._since
         self._full_disk = ""
+        self._broker_away = ""
 
     @property
     def phase(self) -> Phase:
@@ -116,6 +117,17 @@ class InstanceHealth:
     @property
     def waiting_for_disk(self) -> bool:
         return bool(self._full_disk)
+
+    def broker(self, away: str) -> None:
+        """Why the instance cannot reach Kafka now ("" while it can): its batch in flight or its read of
+        the control log met a broker that is away. Neither probe fails for it: the instance waits the
+        outage out (decision 0052)."""
+        with self._lock:
+            self._broker_away = away
+
+    @property
+    def waiting_for_broker(self) -> bool:
+        return bool(self._broker_away)
 
     def progress_age_s(self) -> float:
         """Seconds since the query last progressed (since the phase began, before the query runs)."""
@@ -313,6 +325,11 @@ class _ScrapeTime:
             "fluxjoin_instance_disk_full",
             "1 while the query is stopped by a full disk under its work directory and waits for room.",
             value=int(m.health.waiting_for_disk),
+        )
+        yield GaugeMetricFamily(
+            "fluxjoin_instance_broker_away",
+            "1 while the batch in flight or the control log's read waits for a Kafka broker that is away.",
+            value=int(m.health.waiting_for_broker),
         )
         yield GaugeMetricFamily(
             "fluxjoin_instance_progress_age_seconds",

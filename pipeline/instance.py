@@ -346,6 +346,7 @@ def _run(
                 progress.observe(int(time.time() * 1000), sink.completed, query.status["isTriggerActive"])
                 follower.progress = progress.fields()
                 health.observe(progress.progress_ms, progress.batch, follower.serving)
+                health.broker(sink.broker_away or follower.broker_away)
                 stopping.wait(0.5)
                 now_less_monotonic = time.time() - time.monotonic()
                 stepped_back_s = wall_less_monotonic - now_less_monotonic

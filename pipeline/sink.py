@@ -300,6 +300,8 @@ class ExactlyOnceSink:
         self._delivered: dict[int, int] = {}
         self._undelivered: dict[int, KafkaError] = {}
         self.last_end = time.monotonic()
+        self.broker_away = ""
+        """Why the batch in flight cannot reach the broker ("" while it can): the instance's /metrics."""
         self._warned_at = -HOT_WARNING_EVERY_S
         self.streams = cfg.streams
         self.on_commit = on_commit
@@ -383,20 +385,23 @@ class ExactlyOnceSink:
         aborted = outages = 0
         while True:
             try:
-                return write()
+                metrics = write()
+                self.broker_away = ""
+                return metrics
             except (KafkaException, TimeoutError) as exc:
                 error = exc.args[0] if isinstance(exc, KafkaException) else None
                 if error is not None and error.code() in FENCED_ERRORS:
                     raise
+                reason = error.str() if error is not None else str(exc)
                 if broker_away(exc):
                     outages += 1
                     pause_s = min(OUTAGE_BACKOFF_S, 2.0**outages)
+                    self.broker_away = reason
                 else:
                     aborted += 1
                     if error is None or not error.txn_requires_abort() or aborted >= TRANSACTION_ATTEMPTS:
                         raise
                     pause_s = min(30.0, 2.0**aborted)
-                reason = error.str() if error is not None else str(exc)
                 print(f"{self.instance}: batch {batch_id} not committed ({reason}); again in {pause_s:g} s",
                       flush=True)  # fmt: skip
                 if self._in_transaction:

@@ -19,7 +19,7 @@ from pipeline.oracle import VerifyReport, verify_pipeline
 from pipeline.protocol import Mode
 from pipeline.topics import read_topic
 from tests.conftest import Broker
-from tests.integration.test_pipeline import small_config
+from tests.integration.test_pipeline import _free_port, _scrape, small_config
 
 INSTANCES = ["instance-0", "instance-1"]
 REPORTS = Path(__file__).resolve().parents[2] / "reports" / "faults"
@@ -66,7 +66,7 @@ def drained_and_nobody_evicted(pipeline: LocalPipeline, watch: Watch, generator:
 
 
 def _run_through(
-    fault: Callable[[], None],
+    fault: Callable[[dict[str, int]], None],
     fault_name: str,
     bootstrap: str,
     topic_prefix: str,
@@ -74,10 +74,11 @@ def _run_through(
     duration_s: int,
 ) -> None:
     """A controller (static policy, heartbeat timeout 10 s) and two instances; the generator writes in
-    real time (500 tuples/s for `duration_s`). 10 s in, `fault` runs (and returns once the broker is
-    back). Every process must ride it out: none exits, the controller declares no instance dead for
-    having been unable to hear it, and it moves a pid afterwards as ever. The output must be exact; how
-    long each instance took to commit again is reported as `fault_name` (`report_recovery`)."""
+    real time (500 tuples/s for `duration_s`). 10 s in, `fault` runs with each instance's metrics port
+    (and returns once the broker is back). Every process must ride it out: none exits, the controller
+    declares no instance dead for having been unable to hear it, and it moves a pid afterwards as ever.
+    The output must be exact; how long each instance took to commit again is reported as `fault_name`
+    (`report_recovery`)."""
     cfg = small_config(
         topic_prefix,
         "generator.mode=real_time",
@@ -88,17 +89,18 @@ def _run_through(
     )
     pipeline = LocalPipeline(cfg, bootstrap, tmp_path)
     watch = Watch(pipeline)
+    ports = {name: _free_port() for name in INSTANCES}
     try:
         pipeline.start_controller(policy="static", heartbeat_timeout_s=10)
         for name in INSTANCES:
-            pipeline.start_instance(name)
+            pipeline.start_instance(name, metrics_port=ports[name])
         pipeline.wait_running(INSTANCES)
         start = watch.until(lambda v: bool(v.assignment and v.assignment.epoch == 0), 60, "epoch 0")
         assert start.assignment is not None
         generator = threading.Thread(target=run_generator, args=(cfg, bootstrap))
         generator.start()
         time.sleep(10)
-        fault()
+        fault(ports)
         over_ms = int(time.time() * 1000)
         pid, owner = next(iter(start.assignment.owners.items()))
         target = next(name for name in INSTANCES if name != owner)
@@ -120,7 +122,7 @@ def test_a_broker_silent_for_20_s_mid_run_stalls_the_instances_and_loses_nothing
     """The broker's container is paused (every connection goes silent, nothing is closed) for 20 s."""
     broker = own_broker.container
 
-    def pause() -> None:
+    def pause(_: dict[str, int]) -> None:
         broker.pause()
         try:
             time.sleep(20)
@@ -135,13 +137,18 @@ def test_a_broker_stopped_and_started_again_mid_run_loses_nothing(
     outage_s: int, own_broker: Broker, topic_prefix: str, tmp_path: Path
 ) -> None:
     """The broker's container is stopped (the broker shuts down: every connection is closed and refused)
-    for `outage_s`, then started again (same log, a new broker epoch)."""
+    for `outage_s`, then started again (same log, a new broker epoch). An outage past the instances'
+    offset lookups' own deadline (30 s) shows on their /metrics (`fluxjoin_instance_broker_away`)."""
     broker = own_broker.container
+    away: list[float] = []
 
-    def stop_and_start() -> None:
+    def stop_and_start(ports: dict[str, int]) -> None:
         broker.stop(timeout=30)
         try:
-            time.sleep(outage_s)
+            until = time.monotonic() + outage_s
+            while time.monotonic() < until:
+                away.extend(_scrape(port)[("fluxjoin_instance_broker_away", ())] for port in ports.values())
+                time.sleep(1)
         finally:
             broker.start()
 
@@ -153,6 +160,8 @@ def test_a_broker_stopped_and_started_again_mid_run_loses_nothing(
         tmp_path,
         duration_s=50,
     )
+    if outage_s > 60:
+        assert 1.0 in away, "no instance said on /metrics that the broker was away"
 
 
 def test_a_topic_read_begun_while_the_broker_is_stopped_waits_for_it_and_yields_every_message_once(

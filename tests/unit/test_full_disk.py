@@ -99,3 +99,15 @@ def test_a_stop_ends_the_wait_for_room(tmp_path: Path, monkeypatch: pytest.Monke
 def _scrape(metrics: InstanceMetrics) -> dict[str, float]:
     body, _ = metrics.render()
     return {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+
+
+def test_a_broker_away_shows_on_metrics_and_fails_no_probe() -> None:
+    health = InstanceHealth(stall_timeout_s=60, clock=Clock())
+    metrics = InstanceMetrics("p", "instance-0", health)
+    health.enter(Phase.RUNNING)
+    health.observe(progress_ms=1_000, batch=3, serving=True)
+    health.broker("Failed to query partition leaders: No leaders found")
+    assert _scrape(metrics)["fluxjoin_instance_broker_away"] == 1
+    assert health.readiness() == (True, "serving") and health.liveness() == (True, "running")
+    health.broker("")
+    assert _scrape(metrics)["fluxjoin_instance_broker_away"] == 0
