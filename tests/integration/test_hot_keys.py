@@ -5,8 +5,8 @@ Injected: the skew (a hot set of one key, 25% of the tuples) over a backlog whos
 twenty times the bound, read by an instance allowed 200,000 tuples a batch and a 768 MB heap.
 Asserted: no batch makes more than about the bound (1.5 times), the instance never restarts its
 query, its log names the hot key and its pid, and the output is exactly the oracle's. Before batches
-were planned per pid from the first one on, the third batch took the hot pid's whole backlog and the
-JVM died (`OutOfDirectMemoryError`).
+were planned per pid from the first one on, the first batch took the whole backlog and the JVM died
+(`OutOfDirectMemoryError`).
 """
 
 from __future__ import annotations
