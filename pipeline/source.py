@@ -853,8 +853,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         backlog = sum(latest[s][p] - begin[s][p] for s in latest for p in latest[s])
         if moves_out and self._arrivals.behind(backlog, self.behind_horizon_s):
             return begin, {"next_pid": first_pid}
-        if isinstance(limit, ReadAllAvailable):
-            return latest, {}
+        if isinstance(limit, ReadAllAvailable) or not backlog:
+            return latest, {}  # nothing to bound (and no sample of an empty backlog to keep for 30 s)
         rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.max_rows
         path = self.recent_yields_path
         per_message = self._tuples_per_message(begin, latest)
