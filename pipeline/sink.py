@@ -47,7 +47,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from pipeline.codec import Malformation, decode_results
 from pipeline.config import Config
-from pipeline.control import publish
+from pipeline.control import STUCK_S, publish
 from pipeline.join import Part, WindowState, window_to_bytes
 from pipeline.operator import (
     KIND_LATE,
@@ -222,9 +222,16 @@ class Evictions:
         """Read every message appended before this call; the newest epoch that evicts `names`."""
         end = partition_offsets(self._admin, [(self._topic, 0)], timeout_s=timeout_s)[(self._topic, 0)]
         deadline = time.monotonic() + timeout_s
+        moved_at, at = time.monotonic(), self._next
         while self._next < end:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"{self._topic} not readable up to offset {end}")
+            if self._next != at:
+                moved_at, at = now, self._next
+            elif now - moved_at > STUCK_S:  # a fetcher stuck after a broker restart (`ControlLog`)
+                self._consumer.assign([TopicPartition(self._topic, 0, self._next)])
+                moved_at = now
             for msg in self._consumer.consume(num_messages=1000, timeout=0.1):
                 if msg.error() is not None:
                     continue
@@ -414,12 +421,20 @@ class ExactlyOnceSink:
         name) and when it aborted a transaction open for longer than its timeout: an eviction in the log,
         or a transaction open for less than the timeout, says it was the former."""
         open_s = time.monotonic() - self._begun
-        if open_s > TRANSACTION_TIMEOUT_S and self.evictions.catch_up() is None:
+        if open_s > TRANSACTION_TIMEOUT_S and self._eviction_unread():
             return TransactionOverrun(
                 f"batch {batch_id}: its transaction was open {open_s:.1f} s, longer than the transaction "
                 f"timeout ({TRANSACTION_TIMEOUT_S:g} s), and the broker aborted it ({error.str()})"
             )
         return Fenced(f"{self.instance}'s transactional id was taken over ({error.str()}); not committing")
+
+    def _eviction_unread(self) -> bool:
+        """No eviction of this incarnation in the control log, or the log not readable now (after an
+        outage): then the query starts again, and its new sink, or the follower, meets any eviction."""
+        try:
+            return self.evictions.catch_up() is None
+        except (KafkaException, TimeoutError):
+            return True
 
     def _write(
         self,
