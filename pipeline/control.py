@@ -36,6 +36,27 @@ from pipeline.topics import broker_away, watermark_offsets
 
 STUCK_S = 5.0
 """A reader that fetches nothing for this long while the log holds more assigns its partition again."""
+
+
+class StuckFetch:
+    """A reader's guard against a fetcher that stays stuck after a broker restart: the broker answered
+    where the log ends, yet nothing arrives. Once the reader's next offset has not moved for STUCK_S,
+    its partition is assigned again at that offset, which starts the fetcher afresh."""
+
+    def __init__(self, consumer: Any, topic: str, offset: int) -> None:
+        self.consumer, self.topic, self.at, self.since = consumer, topic, offset, time.monotonic()
+
+    def check(self, offset: int) -> None:
+        from confluent_kafka import TopicPartition
+
+        now = time.monotonic()
+        if offset != self.at:
+            self.at, self.since = offset, now
+        elif now - self.since > STUCK_S:
+            self.consumer.assign([TopicPartition(self.topic, 0, offset)])
+            self.since = now
+
+
 RECONNECT_MAX_MS = 1000
 """The most a heartbeat producer waits between attempts to reach a broker that is away."""
 SNAPSHOT_EVERY = 1000
@@ -165,18 +186,11 @@ class ControlLog:
         from confluent_kafka import TopicPartition
 
         assert self._next is not None
-        moved_at, at = time.monotonic(), self._next
+        stuck = StuckFetch(self._consumer, self.topic, self._next)
         while self._next < high and not self._skipped:
-            now = time.monotonic()
-            if now > deadline:
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"control log not readable up to offset {high}")
-            if self._next != at:
-                moved_at, at = now, self._next
-            elif now - moved_at > STUCK_S:
-                # The broker answered where the log ends, yet nothing arrives: after a broker restart the
-                # client's fetcher for the partition can stay stuck; assigning it again starts it afresh.
-                self._consumer.assign([TopicPartition(self.topic, 0, self._next)])
-                moved_at = now
+            stuck.check(self._next)
             # A short wait: consume returns early only with all the messages asked for, and the
             # transaction markers among the offsets below `high` are never delivered (the position
             # passes them).

@@ -47,7 +47,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from pipeline.codec import Malformation, decode_results
 from pipeline.config import Config
-from pipeline.control import STUCK_S, publish
+from pipeline.control import StuckFetch, publish
 from pipeline.join import Part, WindowState, window_to_bytes
 from pipeline.operator import (
     KIND_LATE,
@@ -222,16 +222,11 @@ class Evictions:
         """Read every message appended before this call; the newest epoch that evicts `names`."""
         end = partition_offsets(self._admin, [(self._topic, 0)], timeout_s=timeout_s)[(self._topic, 0)]
         deadline = time.monotonic() + timeout_s
-        moved_at, at = time.monotonic(), self._next
+        stuck = StuckFetch(self._consumer, self._topic, self._next)
         while self._next < end:
-            now = time.monotonic()
-            if now > deadline:
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"{self._topic} not readable up to offset {end}")
-            if self._next != at:
-                moved_at, at = now, self._next
-            elif now - moved_at > STUCK_S:  # a fetcher stuck after a broker restart (`ControlLog`)
-                self._consumer.assign([TopicPartition(self._topic, 0, self._next)])
-                moved_at = now
+            stuck.check(self._next)
             for msg in self._consumer.consume(num_messages=1000, timeout=0.1):
                 if msg.error() is not None:
                     continue
