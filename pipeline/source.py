@@ -1193,6 +1193,7 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
 
     from pipeline.codec import Malformation, MalformedRecord, decode_tuple_columns, progress_of
     from pipeline.partitioning import pids_of
+    from pipeline.topics import broker_answers
 
     ranges = list(dict.fromkeys(ranges))
     by_tp: dict[tuple[str, int], list[PidRange]] = {}
@@ -1213,7 +1214,7 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
         deadline = time.monotonic() + _READ_TIMEOUT_S
         while pending:
             if time.monotonic() > deadline:
-                if _broker_away_from(consumer, min(pending)):
+                if not broker_answers(consumer, TopicPartition(*min(pending))):
                     # An outage is waited out however long it lasts (decision 0052); the consumer
                     # reconnects by itself and reads on from where it was.
                     print(f"reading ranges: Kafka at {bootstrap} is away, waiting", flush=True)
@@ -1277,19 +1278,6 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
     for r in ranges:
         if cols[r] or bad[r]:
             yield _to_arrow(r, cols[r], bad[r])
-
-
-def _broker_away_from(consumer: Any, tp: tuple[str, int]) -> bool:
-    """Whether the broker fails to answer an offset lookup for `tp`. Any failure counts: after a long
-    outage the client may also report the partition unknown (its metadata expired), and a range that
-    cannot be looked up cannot be read either; a stuck instance is the probes' to judge (decision 0052)."""
-    from confluent_kafka import KafkaException, TopicPartition
-
-    try:
-        consumer.get_watermark_offsets(TopicPartition(*tp), timeout=10)
-    except KafkaException:
-        return True
-    return False
 
 
 class InputGone(RuntimeError):

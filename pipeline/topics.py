@@ -331,7 +331,7 @@ def read_records(
                 if offset < ends[partition]:
                     yield partition, offset, value
             if pending and time.monotonic() - progress > timeout_s:
-                if not _answers(consumer, TopicPartition(topic, min(pending))):
+                if not broker_answers(consumer, TopicPartition(topic, min(pending))):
                     away.note("no answer to an offset lookup")
                     progress = time.monotonic()
                     continue
@@ -370,8 +370,10 @@ class _Away:
                 time.sleep(1.0)
 
 
-def _answers(consumer: Consumer, tp: TopicPartition) -> bool:
-    """Whether the broker answers an offset lookup for `tp` now; any failure counts as away."""
+def broker_answers(consumer: Consumer, tp: TopicPartition) -> bool:
+    """Whether the broker answers an offset lookup for `tp` now. Any failure counts as away: after a
+    long outage the client may also report the partition unknown (its metadata expired), and a partition
+    that cannot be looked up cannot be read either (decision 0052)."""
     try:
         consumer.get_watermark_offsets(tp, timeout=DEFAULT_TIMEOUT_S)
     except KafkaException:
