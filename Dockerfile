@@ -3,7 +3,8 @@
 # with different arguments. Plain `docker build .` works too where PyPI's certificates verify as they are.
 #
 # Two stages: the builder has pip and builds the wheels (PySpark ships as a source archive only); the
-# final stage holds the JRE, Python and the virtualenv, runs as a non-root user and has no build tools.
+# final stage holds the JRE, Python and the virtualenv (pip removed), runs as a non-root user and has no
+# build tools.
 
 FROM debian:bookworm-slim AS build
 # Extra CA certificates (PEM) for networks that inspect TLS on the way to PyPI; the build stage only.
@@ -26,7 +27,8 @@ COPY README.md /src/README.md
 COPY pipeline /src/pipeline
 COPY generator /src/generator
 COPY controller /src/controller
-RUN /opt/fluxjoin/bin/pip install --no-cache-dir --no-deps /src
+RUN /opt/fluxjoin/bin/pip install --no-cache-dir --no-deps /src \
+    && /opt/fluxjoin/bin/python -m pip uninstall -y pip
 
 FROM debian:bookworm-slim
 RUN apt-get update \

@@ -19,6 +19,7 @@ from typing import Any
 
 from pipeline.codec import MalformedRecord, tuple_count
 from pipeline.config import Config
+from pipeline.kafka_client import kafka_config
 from pipeline.topics import BOUNDED_READ, admin_client, partition_offsets
 
 TAIL_SPAN_S = 10.0
@@ -45,7 +46,7 @@ class InputTail:
         self._admin = admin_client(bootstrap)
         self._consumer = Consumer(
             {
-                "bootstrap.servers": bootstrap,
+                **kafka_config(bootstrap),
                 "group.id": "fluxjoin-unused",
                 "enable.auto.commit": False,
                 "enable.partition.eof": True,

@@ -334,6 +334,45 @@ def move(
 
 
 @app.command()
+def topics(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOpt = None) -> None:
+    """The pipeline's topics as fluxjoin creates them (or, with topics.create=false, expects to find)."""
+    from pipeline.topics import topic_specs
+
+    cfg = _config(config, set_, bootstrap)
+    for spec in topic_specs(cfg):
+        settings = " ".join(f"{k}={v}" for k, v in sorted(spec.config.items()))
+        print(
+            f"{spec.name} partitions={spec.partitions} replication={cfg.topics.replication_factor} {settings}"
+        )
+
+
+@app.command()
+def acls(
+    principal: Annotated[str, typer.Option(help="The pipeline's Kafka principal, e.g. User:fluxjoin.")],
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bootstrap: BootstrapOpt = None,
+    apply: Annotated[
+        bool, typer.Option("--apply", help="Create them on the cluster (as an administrator).")
+    ] = False,
+) -> None:
+    """The Kafka ACLs a pipeline's principal needs on a cluster with an authorizer; --apply creates them."""
+    from pipeline.acls import create_acls, describe_acl, pipeline_acls
+
+    cfg = _config(config, set_, bootstrap)
+    bindings = pipeline_acls(cfg, principal)
+    for binding in bindings:
+        print(describe_acl(binding))
+    if apply:
+        address = _reachable(cfg)
+        try:
+            create_acls(address, bindings)
+        except KafkaException as exc:
+            fail(f"Kafka at {address}: {_kafka_reason(exc)}", code=3)
+        print(f"created {len(bindings)} ACLs at {address}")
+
+
+@app.command()
 def status(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOpt = None) -> None:
     """The assignment of record, moves in flight and per-instance load."""
     from controller.status import describe_status
@@ -637,7 +676,12 @@ def bench_generator(
 
 
 def main() -> None:
+    from pipeline.kafka_client import KafkaSecurityError
+
     try:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    except KafkaSecurityError as exc:  # FLUXJOIN_KAFKA_* settings that cannot work: the user's to fix
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        sys.exit(2)

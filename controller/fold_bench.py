@@ -9,6 +9,7 @@ import time
 import uuid
 from typing import Any
 
+from pipeline.kafka_client import kafka_config
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
@@ -106,7 +107,7 @@ def _catch_up_s(bootstrap: str, raw: list[bytes], expected: Any) -> tuple[float,
     try:
         partition_offsets(admin, [(spec.name, 0)])  # its leader serves it
         producer = Producer(
-            {"bootstrap.servers": bootstrap, "linger.ms": 20, "queue.buffering.max.messages": 1_000_000}
+            {**kafka_config(bootstrap), "linger.ms": 20, "queue.buffering.max.messages": 1_000_000}
         )
         for value in raw:
             producer.produce(spec.name, value=value)

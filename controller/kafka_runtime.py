@@ -7,6 +7,10 @@ next to this file (`kafka_pom.xml`, checksums verified) into a versioned cache d
 `java -cp 'libs/*' kafka.Kafka server.properties` started detached, so it outlives the command that
 started it and `fluxjoin kafka stop` (or the demo) ends it.
 
+`SaslSsl` starts the same broker with a SASL_SSL listener instead of PLAINTEXT: a CA and a broker
+certificate made here with openssl, SCRAM-SHA-512 users, and Kafka's authorizer on (no ACL, no access),
+so that tests and trials meet what a production cluster asks of its clients.
+
 The same jars go into the broker image the integration tests run (`build_broker_image`), so tests and
 demo use one Kafka version.
 
@@ -35,7 +39,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 KAFKA_VERSION = "4.3.1"  # keep equal to <kafka.version> in kafka_pom.xml
@@ -202,8 +207,96 @@ def new_cluster_id() -> str:
             return cid
 
 
-def server_properties(port: int, controller_port: int, data_dir: Path) -> str:
-    """A single-node (broker + controller) KRaft configuration for localhost.
+SUPER_USER = "admin"
+"""The broker's own SCRAM user under `SaslSsl`: it talks to itself as this user, a super user."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaslSsl:
+    """A SASL_SSL client listener: TLS with a certificate signed by a CA made in `directory`, SCRAM-SHA-512
+    users (`users`: name -> password, besides `SUPER_USER`), Kafka's StandardAuthorizer with no access
+    unless an ACL grants it. The controller listener stays PLAINTEXT on localhost, its principal
+    (ANONYMOUS) a super user as KRaft needs."""
+
+    directory: Path
+    users: Mapping[str, str] = field(default_factory=dict)
+    super_password: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def ca_file(self) -> Path:
+        return self.directory / "ca.pem"
+
+    @property
+    def keystore(self) -> Path:
+        return self.directory / "broker-keystore.pem"
+
+    def make_tls(self) -> None:
+        """The CA and the broker's key and certificate (for localhost), unless made already."""
+        if self.keystore.exists():
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        d = self.directory
+
+        def openssl(*args: str) -> None:
+            result = subprocess.run(["openssl", *args], cwd=d, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise KafkaRuntimeError(f"openssl {args[0]} failed: {result.stderr.strip()[-500:]}")
+
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+                "-days", "30", "-subj", "/CN=fluxjoin test CA")  # fmt: skip
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "broker.key", "-out", "broker.csr",
+                "-subj", "/CN=localhost")  # fmt: skip
+        (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        openssl("x509", "-req", "-in", "broker.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", "broker.pem", "-days", "30", "-extfile", "san.ext")  # fmt: skip
+        self.keystore.write_text((d / "broker.key").read_text() + (d / "broker.pem").read_text())
+
+    def client(self, user: str = SUPER_USER) -> dict[str, str]:
+        """librdkafka settings of a client logged in as `user`."""
+        password = self.super_password if user == SUPER_USER else self.users[user]
+        return {
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": "SCRAM-SHA-512",
+            "sasl.username": user,
+            "sasl.password": password,
+            "ssl.ca.location": str(self.ca_file),
+        }
+
+    def scram_arguments(self) -> list[str]:
+        """`kafka-storage format` arguments creating every user at the cluster's birth."""
+        users = {SUPER_USER: self.super_password, **self.users}
+        return [
+            arg
+            for name, pw in users.items()
+            for arg in ("--add-scram", f"SCRAM-SHA-512=[name={name},password={pw}]")
+        ]
+
+    def properties(self, port: int, controller_port: int) -> dict[str, str]:
+        jaas = (
+            "org.apache.kafka.common.security.scram.ScramLoginModule required "
+            f'username="{SUPER_USER}" password="{self.super_password}";'
+        )
+        return {
+            "listeners": f"SASL_SSL://localhost:{port},CONTROLLER://localhost:{controller_port}",
+            "advertised.listeners": f"SASL_SSL://localhost:{port},CONTROLLER://localhost:{controller_port}",
+            "listener.security.protocol.map": "SASL_SSL:SASL_SSL,CONTROLLER:PLAINTEXT",
+            "inter.broker.listener.name": "SASL_SSL",
+            "sasl.enabled.mechanisms": "SCRAM-SHA-512",
+            "sasl.mechanism.inter.broker.protocol": "SCRAM-SHA-512",
+            "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config": jaas,
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(self.keystore),
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(self.ca_file),
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "super.users": f"User:{SUPER_USER};User:ANONYMOUS",
+            "allow.everyone.if.no.acl.found": "false",
+        }
+
+
+def server_properties(port: int, controller_port: int, data_dir: Path, secured: SaslSsl | None = None) -> str:
+    """A single-node (broker + controller) KRaft configuration for localhost; with `secured`, its client
+    listener is SASL_SSL and the authorizer is on.
 
     Every internal topic gets replication factor 1 (the defaults of 3 make transactions and consumer
     groups hang on one node); no auto-created topics, so a typo in a topic name fails instead of
@@ -231,6 +324,8 @@ def server_properties(port: int, controller_port: int, data_dir: Path) -> str:
         "share.coordinator.state.topic.min.isr": "1",
         "group.initial.rebalance.delay.ms": "0",
     }
+    if secured is not None:
+        settings |= secured.properties(port, controller_port)
     return "".join(f"{key}={value}\n" for key, value in settings.items())
 
 
@@ -299,11 +394,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _answers(bootstrap: str, timeout_s: float) -> bool:
+def _answers(bootstrap: str, timeout_s: float, secured: SaslSsl | None = None) -> bool:
     """Whether the broker serves metadata (it is registered, unfenced and accepts requests)."""
     from confluent_kafka.admin import AdminClient
 
     conf: dict[str, str | int | float | bool] = {"bootstrap.servers": bootstrap}
+    if secured is not None:
+        conf |= secured.client()
     admin = AdminClient(conf, logger=_QUIET)
     try:
         admin.list_topics(timeout=timeout_s)
@@ -319,10 +416,13 @@ def running_address(port: int = 9092) -> str | None:
     return None
 
 
-def start(port: int = 9092, fresh: bool = False, data_dir: Path | None = None) -> str:
+def start(
+    port: int = 9092, fresh: bool = False, data_dir: Path | None = None, secured: SaslSsl | None = None
+) -> str:
     """Start the broker for `port` (or find it running) and return its bootstrap address.
 
     `fresh` stops a running broker and deletes its data first; otherwise topics survive restarts.
+    `secured`: a SASL_SSL listener with the authorizer on (its users are made when the data is new).
     """
     address = f"localhost:{port}"
     pid_file = _pid_file(port)
@@ -333,7 +433,7 @@ def start(port: int = 9092, fresh: bool = False, data_dir: Path | None = None) -
             stop(port)
             pid = None
         if pid is not None:
-            _wait_ready(address, pid, state / "logs" / "kafka.log")
+            _wait_ready(address, pid, state / "logs" / "kafka.log", secured)
             return address
         if _port_open(port):
             raise KafkaRuntimeError(
@@ -342,14 +442,16 @@ def start(port: int = 9092, fresh: bool = False, data_dir: Path | None = None) -
         libs = ensure_jars(progress=True)
         if fresh:
             shutil.rmtree(state / "data", ignore_errors=True)
-        props = _configure(state, port)
+        if secured is not None:
+            secured.make_tls()
+        props = _configure(state, port, secured)
         log = state / "logs" / "kafka.log"
         if log.exists():
             log.replace(log.with_suffix(".log.1"))
         log4j = f"-Dlog4j2.configurationFile={state / 'log4j2.properties'}"
         java = [_java(), *JVM_OPTS, log4j, "-cp", f"{libs}/*"]
         if not (state / "data" / "meta.properties").exists():
-            _format(java, props, log)
+            _format(java, props, log, secured.scram_arguments() if secured is not None else [])
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 [*java, "kafka.Kafka", str(props)],
@@ -362,14 +464,14 @@ def start(port: int = 9092, fresh: bool = False, data_dir: Path | None = None) -
         _STARTED[port] = proc
         pid_file.write_text(f"{proc.pid}\n")
         try:
-            _wait_ready(address, proc.pid, log)
+            _wait_ready(address, proc.pid, log, secured)
         except KafkaRuntimeError:
             stop(port)
             raise
     return address
 
 
-def _configure(state: Path, port: int) -> Path:
+def _configure(state: Path, port: int, secured: SaslSsl | None = None) -> Path:
     """Write server.properties; an existing data dir keeps its controller port (KRaft recorded it)."""
     (state / "logs").mkdir(parents=True, exist_ok=True)
     props = state / "server.properties"
@@ -386,14 +488,14 @@ def _configure(state: Path, port: int) -> Path:
     if controller_port is None:
         shutil.rmtree(state / "data", ignore_errors=True)
         controller_port = _free_port()
-    props.write_text(server_properties(port, controller_port, state / "data"))
+    props.write_text(server_properties(port, controller_port, state / "data", secured))
     (state / "log4j2.properties").write_text(LOG4J2_PROPERTIES)
     return props
 
 
-def _format(java: list[str], props: Path, log: Path) -> None:
+def _format(java: list[str], props: Path, log: Path, extra: list[str]) -> None:
     """Format the KRaft storage: a new cluster id, this node as the only (standalone) controller voter."""
-    args = ["format", "--standalone", "-t", new_cluster_id(), "-c", str(props)]
+    args = ["format", "--standalone", "-t", new_cluster_id(), "-c", str(props), *extra]
     result = subprocess.run([*java, "kafka.tools.StorageTool", *args], capture_output=True, text=True)
     with open(log, "a") as out:
         out.write(result.stdout + result.stderr)
@@ -401,13 +503,15 @@ def _format(java: list[str], props: Path, log: Path) -> None:
         raise KafkaRuntimeError(f"formatting the KRaft storage failed:\n{_tail(log)}")
 
 
-def _wait_ready(address: str, pid: int, log: Path, timeout_s: float = START_TIMEOUT_S) -> None:
+def _wait_ready(
+    address: str, pid: int, log: Path, secured: SaslSsl | None = None, timeout_s: float = START_TIMEOUT_S
+) -> None:
     port = int(address.rsplit(":", 1)[1])
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if _broker_pid(port) != pid:
             raise KafkaRuntimeError(f"the Kafka broker exited during startup; log ({log}):\n{_tail(log)}")
-        if _port_open(port) and _answers(address, timeout_s=2.0):
+        if _port_open(port) and _answers(address, timeout_s=2.0, secured=secured):
             return
         time.sleep(0.25)
     raise KafkaRuntimeError(

@@ -23,6 +23,7 @@ import numpy as np
 import yaml
 
 from pipeline.config import Config
+from pipeline.kafka_client import kafka_config
 
 if TYPE_CHECKING:
     from pipeline.control import ControlLog
@@ -302,7 +303,7 @@ class MetricsFollower:
 
         self._consumer = Consumer(
             {
-                "bootstrap.servers": bootstrap,
+                **kafka_config(bootstrap),
                 "group.id": "fluxjoin-unused",
                 "enable.auto.commit": False,
                 "isolation.level": "read_committed",

@@ -31,6 +31,7 @@ from controller.policies.base import InstanceStats, Snapshot
 from controller.rounds import busy_fraction, described_by, shortest_empty_s, snapshot_of
 from pipeline.config import Config
 from pipeline.control import ControlLog, publish
+from pipeline.kafka_client import kafka_config
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
@@ -498,7 +499,7 @@ class Observer:
         # this topic must not hide the others' heartbeats (load figures from aborted batches are harmless).
         self._consumer = Consumer(
             {
-                "bootstrap.servers": bootstrap,
+                **kafka_config(bootstrap),
                 "group.id": "fluxjoin-unused",
                 "enable.auto.commit": False,
                 "isolation.level": "read_uncommitted",
@@ -631,7 +632,7 @@ class KafkaPidMover:
         self.input_tail = InputTail(cfg, bootstrap)
         self._producer = Producer(
             {
-                "bootstrap.servers": bootstrap,
+                **kafka_config(bootstrap),
                 # One writer of assignments: a controller's `init_transactions` fences every earlier
                 # controller of the pipeline (its next commit fails) and aborts what a killed one left
                 # open; the log is read only after it, so this one plans from everything they published.
@@ -871,7 +872,7 @@ def fence_instance(cfg: Config, bootstrap: str, instance: str) -> None:
     more, and the commit markers read after this are all it will ever have committed."""
     from confluent_kafka import Producer
 
-    producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": f"{cfg.pipeline}.{instance}"})
+    producer = Producer({**kafka_config(bootstrap), "transactional.id": f"{cfg.pipeline}.{instance}"})
     producer.init_transactions(60)
 
 
@@ -890,7 +891,7 @@ def request_moves(
         mode=mode,
         expires_ms=expires_ms,
     )
-    producer = Producer({"bootstrap.servers": bootstrap})
+    producer = Producer(kafka_config(bootstrap))
     publish(producer, cfg.control_topic, msg)
     if producer.flush(30):
         raise RuntimeError("the move request was not acknowledged by Kafka within 30 s")

@@ -59,6 +59,7 @@ from controller.workload import (
     selector_string,
     service,
     statefulset,
+    stopping_instances,
 )
 
 log = logging.getLogger(__name__)
@@ -529,12 +530,17 @@ class Operator:
             mover.pods(set(wanted) - restarting, restarting, spec.restart_grace_s)
         else:  # instances that are not pods of this namespace (run elsewhere): heartbeats alone decide
             mover.pods(None, (), spec.restart_grace_s)
+        # Under a `drain` planned restart, the pids of a terminating pod move away while it waits.
+        terminating = frozenset(stopping_instances(pods)) if spec.drain_timeout_s > 0 else frozenset()
         mover.step()
         self._report_finished_moves(obj, mover.finished())
         previous: dict[str, Any] = obj.get("status") or {}
-        plan = self._plan(spec, mover)
+        plan = self._plan(spec, mover, terminating)
         decided = self._act(obj, mover, plan)
-        if decided is None and self._plan(spec, mover, mover.releasing()).kind is StepKind.STEADY:
+        if (
+            decided is None
+            and self._plan(spec, mover, terminating, mover.releasing()).kind is StepKind.STEADY
+        ):
             decided = self._policy_round(obj, spec, mover)  # a released pid holds up no round
 
         before = current["spec"]["replicas"] if current is not None else None
@@ -551,7 +557,7 @@ class Operator:
 
         # Status shows where the pipeline stands after this round's action, so that the next round,
         # seeing nothing new, renders the same status and writes nothing.
-        settled = self._plan(spec, mover) if decided else plan
+        settled = self._plan(spec, mover, terminating) if decided else plan
         assignment, in_flight = mover.assignment(), tuple(mover.in_flight())
         observed = Observed(
             spec=spec,
@@ -565,7 +571,13 @@ class Operator:
         )
         self._write_status(obj, render_status(observed, previous, _rfc3339(self._wall())))
 
-    def _plan(self, spec: PipelineSpec, mover: PidMover, in_flight: Sequence[Move] | None = None) -> Plan:
+    def _plan(
+        self,
+        spec: PipelineSpec,
+        mover: PidMover,
+        stopping: Collection[str],
+        in_flight: Sequence[Move] | None = None,
+    ) -> Plan:
         """The scaling step, with the mover's moves in flight unless given others."""
         return plan_step(
             pipeline=spec.name,
@@ -575,6 +587,7 @@ class Operator:
             in_flight=tuple(mover.in_flight() if in_flight is None else in_flight),
             ready=mover.ready_instances(),
             mode=spec.handoff_mode,
+            stopping=stopping,
         )
 
     def _act(self, obj: dict[str, Any], mover: PidMover, plan: Plan) -> str | None:

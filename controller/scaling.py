@@ -138,7 +138,7 @@ class StepKind(Enum):
     AWAIT_MOVES = "await_moves"
     """Moves are in flight: plan nothing new until they complete."""
     DRAIN = "drain"
-    """Ordinals >= replicas own pids: move them all onto the instances that stay."""
+    """Ordinals >= replicas, or stopping instances, own pids: move them all onto the instances that stay."""
     SPREAD = "spread"
     """Instances below replicas own nothing and report ready: move an even share onto them."""
     AWAIT_READY = "await_ready"
@@ -189,8 +189,12 @@ def plan_step(
     in_flight: Sequence[Move],
     ready: Collection[str],
     mode: HandoffMode = HandoffMode.TRANSFER,
+    stopping: Collection[str] = (),
 ) -> Plan:
     """The next step for a pipeline that wants `replicas` instances, from what is observed now.
+
+    `stopping`: instances to drain before they stop (a planned restart, decision 0056); they take no
+    pids meanwhile, and their pids go to the others like those of an instance scaled in.
 
     Raises ValueError for observations no step can fix (an owner that is not one of the pipeline's pods,
     fewer pids than replicas), so that the operator reports them instead of acting on them.
@@ -211,17 +215,24 @@ def plan_step(
 
     holdings: Mapping[str, tuple[int, ...]] = assignment.by_instance()
     wanted = [instance_name(pipeline, i) for i in range(replicas)]
-    drained = [name for name in _sorted_instances(holdings) if ordinal_of(pipeline, name) >= replicas]
+    drained = [
+        name
+        for name in _sorted_instances(holdings)
+        if ordinal_of(pipeline, name) >= replicas or name in stopping
+    ]
     idle = [name for name in wanted if name not in holdings]
-    idle_ready = [name for name in idle if name in ready]
+    idle_ready = [name for name in idle if name in ready and name not in stopping]
     if drained:
-        targets = [name for name in wanted if name in holdings or name in ready]
+        targets = [
+            name
+            for name in wanted
+            if (name in holdings or name in ready) and name not in drained and name not in stopping
+        ]
         if not targets:
             return Plan(
                 kind=StepKind.AWAIT_READY,
                 width=width,
-                reason=f"no instance below ordinal {replicas} owns pids or is ready to take those of "
-                + ", ".join(drained),
+                reason="no instance that stays owns pids or is ready to take those of " + ", ".join(drained),
             )
         moves = plan_scale_in(assignment, drained, targets, mode)
         return Plan(

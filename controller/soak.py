@@ -30,6 +30,7 @@ from controller.moves import request_moves
 from controller.runner import instance_names
 from pipeline.config import Config
 from pipeline.control import FENCED_EXIT_STATUS, ControlLog
+from pipeline.kafka_client import kafka_config
 from pipeline.oracle import VerifyReport, verify_pipeline
 from pipeline.protocol import ControlView, Mode, SnapshotMsg, decode
 
@@ -250,7 +251,7 @@ def truncate_control_log(cfg: Config, bootstrap: str) -> int:
 
     snapshots = [decode(value) for _, _, value in read_topic(bootstrap, cfg.control_topic)]
     read_to = max(m.read_to for m in snapshots if isinstance(m, SnapshotMsg))
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(kafka_config(bootstrap))
     for done in admin.delete_records([TopicPartition(cfg.control_topic, 0, read_to)]).values():
         done.result()
     return read_to

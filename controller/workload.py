@@ -29,7 +29,7 @@ from controller.assignment import Assignment, HandoffMode, Move
 from controller.policies.base import InstanceStats
 from controller.rounds import policy_params
 from controller.scaling import Plan, StepKind, instance_name, ordinal_of
-from pipeline.config import Config, InstanceConfig
+from pipeline.config import Config, InstanceConfig, TopicsConfig
 from pipeline.health import DEFAULT_METRICS_PORT
 
 GROUP, VERSION, PLURAL, KIND = "fluxjoin.io", "v1alpha1", "joinpipelines", "JoinPipeline"
@@ -94,6 +94,12 @@ class PipelineSpec:
     """The policy's parameters set in the spec, by their `controller.policies` field names."""
     heartbeat_timeout_s: float = 10.0
     restart_grace_s: float = 300.0
+    topics: TopicsConfig = field(default_factory=TopicsConfig)
+    kafka_security: Mapping[str, Any] = field(default_factory=dict)
+    """spec.kafka.security: how the instances log in to Kafka (`kafka_credentials`)."""
+    drain_timeout_s: float = 0.0
+    """How long a stopping instance pod waits for its pids to be moved away (spec.liveness
+    plannedRestart `drain`, decision 0056); 0: it stops at once and resumes on return (`resume`)."""
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> PipelineSpec:
@@ -109,6 +115,10 @@ class PipelineSpec:
             )
         policy = spec.get("policy", {})
         policy_name = policy.get("name", "flux")
+        liveness = spec.get("liveness", {})
+        drain_timeout_s = (
+            int(liveness.get("drainTimeoutSeconds", 120)) if liveness.get("plannedRestart") == "drain" else 0
+        )
         fields = POLICY_FIELDS.get(policy_name, {})
         given = policy.get(policy_name, {})
         return cls(
@@ -123,6 +133,13 @@ class PipelineSpec:
             replicas=int(spec.get("replicas", 3)),
             handoff_mode=HandoffMode(mode),
             bootstrap_servers=kafka["bootstrapServers"],
+            kafka_security=kafka.get("security", {}),
+            topics=TopicsConfig(
+                create=bool(kafka.get("topics", {}).get("create", True)),
+                replication_factor=int(kafka.get("topics", {}).get("replicationFactor", -1)),
+                min_insync_replicas=kafka.get("topics", {}).get("minInsyncReplicas"),
+                retention_ms=kafka.get("topics", {}).get("retentionMs"),
+            ),
             # Topics and transactional ids derive from the prefix: namespaced, so that pipelines of one
             # name in two namespaces never share a topic or fence each other's transactions.
             topic_prefix=kafka.get("topicPrefix") or f"{meta['namespace']}.{meta['name']}",
@@ -134,6 +151,7 @@ class PipelineSpec:
                 spark_master=instance.get("sparkMaster", "local[2]"),
                 driver_memory=instance.get("driverMemory", "1g"),
                 work_dir=WORK_DIR,
+                drain_timeout_s=drain_timeout_s,
             ),
             image=spec.get("image"),
             resources=spec.get("resources", {}),
@@ -141,8 +159,9 @@ class PipelineSpec:
             storage_class=checkpoint.get("storageClassName") or None,
             policy=policy_name,
             policy_settings={fields[k]: float(v) for k, v in given.items() if k in fields},
-            heartbeat_timeout_s=float(spec.get("liveness", {}).get("heartbeatTimeoutSeconds", 10)),
-            restart_grace_s=float(spec.get("liveness", {}).get("restartGraceSeconds", 300)),
+            heartbeat_timeout_s=float(liveness.get("heartbeatTimeoutSeconds", 10)),
+            restart_grace_s=float(liveness.get("restartGraceSeconds", 300)),
+            drain_timeout_s=float(drain_timeout_s),
         )
 
     def policy_params(self) -> Any:
@@ -163,6 +182,7 @@ class PipelineSpec:
             partitions=self.partitions,
             instances=self.replicas,
             instance=self.instance,
+            topics=self.topics,
         )
 
     def instances(self, width: int) -> list[str]:
@@ -254,7 +274,6 @@ def instance_config(spec: PipelineSpec) -> dict[str, Any]:
     is the StatefulSet's business. Raises ValueError (pydantic's) when the configuration is invalid, so
     the pipeline reports it instead of its pods crash-looping.
     """
-    cfg = spec.instance
     document: dict[str, Any] = {
         "pipeline": spec.topic_prefix,
         "bootstrap": spec.bootstrap_servers,
@@ -263,15 +282,8 @@ def instance_config(spec: PipelineSpec) -> dict[str, Any]:
         "allowed_lateness_ms": spec.allowed_lateness_ms,
         "partitions": spec.partitions,
         "instances": 1,
-        "instance": {
-            "trigger_ms": cfg.trigger_ms,
-            "max_rows_per_batch": cfg.max_rows_per_batch,
-            "max_results_per_batch": cfg.max_results_per_batch,
-            "shuffle_partitions": cfg.shuffle_partitions,
-            "spark_master": cfg.spark_master,
-            "driver_memory": cfg.driver_memory,
-            "work_dir": cfg.work_dir,
-        },
+        "instance": spec.instance.model_dump(exclude_none=True),
+        "topics": spec.topics.model_dump(exclude_none=True),
     }
     Config.model_validate(document)
     return document
@@ -333,6 +345,49 @@ def _probes() -> dict[str, Any]:
     }
 
 
+KAFKA_CREDENTIALS_DIR = "/etc/fluxjoin/kafka"
+"""Where an instance pod finds the Kafka credentials of spec.kafka.security, as files."""
+
+
+def kafka_credentials(security: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The `FLUXJOIN_KAFKA_*` environment (`pipeline.kafka_client`) and the volume of Secret files that
+    log a pod in to Kafka as spec.kafka.security says (the chart renders the same for the operator and
+    the generator: `fluxjoin.kafkaCredentials`). The password and keys reach the pod only as files of
+    a projected Secret volume: never in the pod's spec, its arguments or its environment."""
+    env: list[dict[str, Any]] = []
+    items: list[dict[str, Any]] = []
+
+    def put(variable: str, value: str) -> None:
+        env.append({"name": f"FLUXJOIN_KAFKA_{variable}", "value": value})
+
+    def secret_file(variable: str, secret: Mapping[str, Any] | None, key: str, path: str) -> None:
+        if secret and secret.get("name"):
+            items.append({"secret": {"name": secret["name"], "items": [{"key": key, "path": path}]}})
+            put(variable, f"{KAFKA_CREDENTIALS_DIR}/{path}")
+
+    protocol = security.get("protocol", "PLAINTEXT")
+    if protocol == "PLAINTEXT":
+        return env, None
+    put("SECURITY_PROTOCOL", protocol)
+    if security.get("saslMechanism"):
+        put("SASL_MECHANISM", security["saslMechanism"])
+    if security.get("username"):
+        put("SASL_USERNAME", security["username"])
+    password = security.get("passwordSecret") or {}
+    secret_file("SASL_PASSWORD_FILE", password, password.get("key", "password"), "password")
+    ca = security.get("caSecret") or {}
+    secret_file("SSL_CA_FILE", ca, ca.get("key", "ca.crt"), "ca.crt")
+    client = security.get("clientCertSecret") or {}
+    secret_file("SSL_CERT_FILE", client, client.get("certKey", "user.crt"), "user.crt")
+    secret_file("SSL_KEY_FILE", client, client.get("keyKey", "user.key"), "user.key")
+    volume = (
+        {"name": "kafka-credentials", "projected": {"sources": items, "defaultMode": 0o440}}
+        if items
+        else None
+    )
+    return env, volume
+
+
 def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -> dict[str, Any]:
     """The instance StatefulSet with `replicas` pods; ValueError when no image is known."""
     image = spec.image or settings.image
@@ -348,6 +403,7 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
     )  # fmt: skip
     # The file's content changes no argument: its hash in the template rolls the pods when it changes.
     annotations[CONFIG_HASH_ANNOTATION] = _digest(config_map(spec)["data"])
+    kafka_env, kafka_volume = kafka_credentials(spec.kafka_security)
     container: dict[str, Any] = {
         "name": "instance",
         "image": image,
@@ -356,6 +412,7 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
         "env": [
             {"name": "FLUXJOIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "FLUXJOIN_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            *kafka_env,
         ],
         "ports": [{"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"}],
         **_probes(),
@@ -373,7 +430,8 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
     }
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 60,
+        # A draining instance must finish before the kubelet's SIGKILL: its timeout and a margin to stop.
+        "terminationGracePeriodSeconds": int(max(60, spec.drain_timeout_s + 30)),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": 10001,
@@ -387,6 +445,11 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
             {"name": "tmp", "emptyDir": {}},
         ],
     }
+    if kafka_volume is not None:
+        pod_spec["volumes"].append(kafka_volume)
+        container["volumeMounts"].append(
+            {"name": kafka_volume["name"], "mountPath": KAFKA_CREDENTIALS_DIR, "readOnly": True}
+        )
     if settings.pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": name} for name in settings.pull_secrets]
     claim_spec: dict[str, Any] = {
@@ -473,6 +536,12 @@ def restarting_instances(pods: Sequence[Mapping[str, Any]], instances: Collectio
         if pod is None or pod["metadata"].get("deletionTimestamp") or not pod_ready(pod):
             restarting.add(name)
     return restarting
+
+
+def stopping_instances(pods: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The instances whose pod is terminating (deleted, by a rolling update, a drain or by hand): under
+    a `drain` planned restart their pids move to the others while they wait (decision 0056)."""
+    return {pod["metadata"]["name"] for pod in pods if pod["metadata"].get("deletionTimestamp")}
 
 
 def pod_ready(pod: Mapping[str, Any]) -> bool:

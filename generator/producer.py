@@ -54,6 +54,7 @@ from pipeline.codec import (
     progress_of,
 )
 from pipeline.config import Config
+from pipeline.kafka_client import kafka_config
 from pipeline.partitioning import pids_of, stable_hash
 from pipeline.topics import BOUNDED_READ, KAFKA_LOG, admin_client, ensure_topics, partition_offsets
 
@@ -501,7 +502,7 @@ def largest_ids(cfg: Config, bootstrap: str, timeout_s: float = 60.0) -> list[in
         return [-1] * len(topics)
     consumer = Consumer(
         {
-            "bootstrap.servers": bootstrap,
+            **kafka_config(bootstrap),
             "group.id": "fluxjoin-unused",  # nothing is committed
             "enable.auto.commit": False,
             "enable.partition.eof": True,
@@ -571,7 +572,7 @@ class _Sender:
     """A confluent-kafka producer plus delivery accounting (errors are counted, raised at the end)."""
 
     def __init__(self, bootstrap: str, overrides: dict[str, Any] | None = None) -> None:
-        conf = {**PRODUCER_CONFIG, **(overrides or {}), "bootstrap.servers": bootstrap}
+        conf = {**PRODUCER_CONFIG, **(overrides or {}), **kafka_config(bootstrap)}
         conf["on_delivery"] = self._on_delivery
         conf["logger"] = KAFKA_LOG
         self.producer = Producer(conf)

@@ -218,6 +218,30 @@ class InstanceConfig(_Strict):
     work_dir: str = ".fluxjoin"
     # CPU cores each local instance process may use (a cgroup quota, like a pod's CPU limit); None: no limit.
     cpu_limit: float | None = Field(None, gt=0)
+    # On SIGTERM, keep running up to this long while the controller moves this instance's pids to the
+    # others, then stop (decision 0056); 0: stop at once and resume from the checkpoint on return. Only
+    # the Kubernetes operator drains a stopping instance: it sets this from spec.liveness.
+    drain_timeout_s: int = Field(0, ge=0)
+
+
+class TopicsConfig(_Strict):
+    """How the pipeline's topics are made (`pipeline.topics`)."""
+
+    # false: the topics must exist (made by whoever runs the cluster); fluxjoin only checks them.
+    create: bool = True
+    # -1: the broker's default.
+    replication_factor: int = Field(-1, ge=-1, le=32767)
+    # On every topic fluxjoin creates; None: the broker's default.
+    min_insync_replicas: int | None = Field(None, ge=1)
+    # Of the input, results and dead-letter topics; None: the broker's default (7 days). The control
+    # topic always keeps everything, the commits topic is compacted.
+    retention_ms: int | None = Field(None, ge=-1)
+
+    @model_validator(mode="after")
+    def _check(self) -> TopicsConfig:
+        if self.replication_factor == 0:
+            raise ValueError("topics.replication_factor must be -1 (the broker's default) or at least 1")
+        return self
 
 
 class Config(_Strict):
@@ -230,6 +254,7 @@ class Config(_Strict):
     instances: int = Field(3, ge=1)
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     instance: InstanceConfig = Field(default_factory=InstanceConfig)
+    topics: TopicsConfig = Field(default_factory=TopicsConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:

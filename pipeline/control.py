@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config
+from pipeline.kafka_client import kafka_config
 from pipeline.protocol import (
     AssignmentMsg,
     ControlView,
@@ -84,7 +85,7 @@ class ControlLog:
 
         self.topic = topic
         conf = {
-            "bootstrap.servers": bootstrap,
+            **kafka_config(bootstrap),
             "group.id": "fluxjoin-unused",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
@@ -259,7 +260,7 @@ class InstanceFollower:
         # Back within a second of the broker: after a long outage the client's reconnect backoff has grown
         # to its default maximum of 10 s, the controller's heartbeat timeout (decision 0052).
         self._producer = Producer(
-            {"bootstrap.servers": bootstrap, "linger.ms": 0, "reconnect.backoff.max.ms": RECONNECT_MAX_MS}
+            {**kafka_config(bootstrap), "linger.ms": 0, "reconnect.backoff.max.ms": RECONNECT_MAX_MS}
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="control-follower", daemon=True)

@@ -62,8 +62,13 @@ class Phase(enum.Enum):
     WAITING = "waiting for an assignment"
     STARTING = "starting its query"
     RUNNING = "running"
+    DRAINING = "draining: its pids are moving to other instances before it stops"
     STOPPING = "stopping"
     STOPPED = "stopped"
+
+
+_QUERYING = (Phase.RUNNING, Phase.DRAINING)
+"""The phases in which the query runs and its progress is judged."""
 
 
 class InstanceHealth:
@@ -132,7 +137,7 @@ class InstanceHealth:
     def progress_age_s(self) -> float:
         """Seconds since the query last progressed (since the phase began, before the query runs)."""
         with self._lock:
-            since = self._progressed_at if self._phase is Phase.RUNNING else self._since
+            since = self._progressed_at if self._phase in _QUERYING else self._since
             return max(0.0, self._clock() - since)
 
     def liveness(self) -> tuple[bool, str]:
@@ -144,7 +149,7 @@ class InstanceHealth:
             return False, f"query stopped: {reason}" if reason else "query stopped"
         if phase is Phase.STARTING and age > self.stall_timeout_s:
             return False, f"query not started after {age:.0f} s"
-        if phase is Phase.RUNNING and age > self.stall_timeout_s:
+        if phase in _QUERYING and age > self.stall_timeout_s:
             return False, f"query made no progress for {age:.0f} s (newest batch {batch})"
         return True, phase.value
 

@@ -16,6 +16,10 @@ its start, so that a pod's probes see it wait, start and run.
 A query stopped by a full disk (its checkpoint or the sink's files beside it) is started again from its
 checkpoint once the disk has room, in the same process; meanwhile the instance says so in its log and is
 not ready (decision 0053).
+
+With `instance.drain_timeout_s`, a SIGTERM does not stop the instance at once: it stays up, not ready,
+while the operator moves its pids to the other instances, and stops once it holds none or the timeout
+has passed (decision 0056).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.config import Config
 from pipeline.health import STALL_TIMEOUT_S, InstanceHealth, InstanceMetrics, Phase, serve
-from pipeline.source import OwnedPids, write_assignment
+from pipeline.source import OwnedPids, read_assignment, write_assignment
 
 if TYPE_CHECKING:
     from pipeline.sink import ExactlyOnceSink
@@ -242,6 +246,50 @@ def start_query(
     return query, sink
 
 
+def holds_nothing(owned: OwnedPids) -> bool:
+    """Whether an instance has nothing left to hand over: no pid owned, being released, or held for
+    a parallel track (its own old tuples, or a holder's it takes over)."""
+    return not (owned.pids or owned.releasing or owned.old_tracks or owned.track_handoffs)
+
+
+class Drain:
+    """When a stopping instance may stop: at once without a drain timeout, otherwise once its
+    assignment holds nothing (`holds_nothing`) or the timeout has passed since the stop was asked."""
+
+    def __init__(
+        self,
+        name: str,
+        timeout_s: float,
+        assignment: Path,
+        health: InstanceHealth,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name, self.timeout_s, self.assignment, self.health = name, timeout_s, assignment, health
+        self.clock = clock
+        self.deadline: float | None = None
+
+    def may_stop(self, stopping: threading.Event) -> bool:
+        if not stopping.is_set():
+            return False
+        if self.timeout_s <= 0:
+            return True
+        now = self.clock()
+        if self.deadline is None:
+            self.deadline = now + self.timeout_s
+            self.health.enter(Phase.DRAINING)
+            print(
+                f"{self.name}: stopping; waiting up to {self.timeout_s:g} s for its pids to move", flush=True
+            )
+        if holds_nothing(read_assignment(self.assignment)):
+            print(f"{self.name}: holds no pid any more; stopping", flush=True)
+            return True
+        if now >= self.deadline:
+            print(f"{self.name}: still holds pids after {self.timeout_s:g} s; stopping (it resumes them "
+                  "from its checkpoint on return)", flush=True)  # fmt: skip
+            return True
+        return False
+
+
 def _incarnation(home: Path) -> str:
     """The id of this work directory's life; a new one whenever the directory starts empty."""
     path = home / "incarnation"
@@ -334,6 +382,7 @@ def _run(
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    drain = Drain(name, cfg.instance.drain_timeout_s, assignment, health)
     health.enter(Phase.RUNNING)
     print(f"{name}: running (incarnation {follower.incarnation}), checkpoint {home}", flush=True)
     error = None
@@ -341,13 +390,13 @@ def _run(
         while True:
             wall_less_monotonic = time.time() - time.monotonic()
             stepped_back_s = 0.0
-            while not stopping.is_set() and query.isActive and not follower.evicted.is_set():
+            while not drain.may_stop(stopping) and query.isActive and not follower.evicted.is_set():
                 follower.serving = follower.serving or query.lastProgress is not None
                 progress.observe(int(time.time() * 1000), sink.completed, query.status["isTriggerActive"])
                 follower.progress = progress.fields()
                 health.observe(progress.progress_ms, progress.batch, follower.serving)
                 health.broker(sink.broker_away or follower.broker_away)
-                stopping.wait(0.5)
+                time.sleep(0.5) if stopping.is_set() else stopping.wait(0.5)
                 now_less_monotonic = time.time() - time.monotonic()
                 stepped_back_s = wall_less_monotonic - now_less_monotonic
                 if stepped_back_s > CLOCK_STEP_BACK_S:

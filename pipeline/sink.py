@@ -49,6 +49,7 @@ from pipeline.codec import Malformation, decode_results
 from pipeline.config import Config
 from pipeline.control import StuckFetch, publish
 from pipeline.join import Part, WindowState, window_to_bytes
+from pipeline.kafka_client import kafka_config
 from pipeline.operator import (
     KIND_LATE,
     KIND_MALFORMED,
@@ -205,7 +206,7 @@ class Evictions:
     def __init__(self, bootstrap: str, topic: str, names: frozenset[str], admin: Any) -> None:
         self._consumer = Consumer(
             {
-                "bootstrap.servers": bootstrap,
+                **kafka_config(bootstrap),
                 "group.id": "fluxjoin-unused",
                 "enable.auto.commit": False,
                 "isolation.level": "read_uncommitted",
@@ -280,7 +281,7 @@ class ExactlyOnceSink:
         self._recent_yields: dict[int, deque[tuple[int, int]]] = {}
         self.producer = Producer(
             {
-                "bootstrap.servers": bootstrap,
+                **kafka_config(bootstrap),
                 "transactional.id": transactional_id(cfg, instance),
                 "linger.ms": 5,
                 "batch.size": 1_000_000,
@@ -289,7 +290,7 @@ class ExactlyOnceSink:
             }
         )
         self.producer.init_transactions(60)  # fences any previous incarnation of this instance
-        self.admin = AdminClient({"bootstrap.servers": bootstrap})
+        self.admin = AdminClient(kafka_config(bootstrap))
         # After init_transactions: the previous incarnation's open transaction is aborted by now.
         marker = last_commit(cfg, bootstrap, instance, incarnation)
         self.last_batch = int(marker["batch"]) if marker else -1

@@ -33,6 +33,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPart
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
 from pipeline.join import PROGRESS_ID
+from pipeline.kafka_client import kafka_config
 from pipeline.protocol import (
     AssignmentMsg,
     Handoff,
@@ -513,7 +514,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         from pipeline.topics import broker_away, partition_offsets
 
         if self._admin is None:
-            self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
+            self._admin = AdminClient(kafka_config(self.bootstrap))
         wanted = [(t, p) for t in self.topics for p in pids]
         while True:  # a broker that is away is waited for, however long (decision 0052)
             try:
@@ -787,7 +788,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         if self._consumer is None:
             self._consumer = Consumer(
                 {
-                    "bootstrap.servers": self.bootstrap,
+                    **kafka_config(self.bootstrap),
                     "group.id": "fluxjoin-unused",
                     "isolation.level": "read_committed",  # what the ranges read
                     "enable.partition.eof": True,  # a transaction marker at the end: an answer, not a wait
@@ -1048,7 +1049,7 @@ def _producer(bootstrap: str) -> Any:
 
     producer = _PRODUCERS.get(bootstrap)
     if producer is None:
-        producer = _PRODUCERS[bootstrap] = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
+        producer = _PRODUCERS[bootstrap] = Producer({**kafka_config(bootstrap), "linger.ms": 0})
     return producer
 
 
@@ -1082,7 +1083,7 @@ def read_snapshot(bootstrap: str, snapshot: Snapshot) -> bytes:
 
     consumer = Consumer(
         {
-            "bootstrap.servers": bootstrap,
+            **kafka_config(bootstrap),
             "group.id": "fluxjoin-unused",
             "isolation.level": "read_committed",
             "auto.offset.reset": "error",
@@ -1151,7 +1152,7 @@ def _range_consumer(bootstrap: str) -> Any:
     if consumer is None:
         consumer = Consumer(
             {
-                "bootstrap.servers": bootstrap,
+                **kafka_config(bootstrap),
                 "group.id": "fluxjoin-unused",  # offsets are never committed to Kafka; Spark owns them
                 "enable.auto.commit": False,
                 "enable.partition.eof": True,

@@ -25,6 +25,7 @@ from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from pipeline.config import Config
+from pipeline.kafka_client import kafka_config
 
 # Seconds to wait for the broker to answer.
 DEFAULT_TIMEOUT_S = 10.0
@@ -71,16 +72,21 @@ instance."""
 def topic_specs(cfg: Config) -> list[TopicSpec]:
     """All topics of a pipeline. Inputs and results have P partitions (partition index == pid);
     the bookkeeping topics have one, so their readers see a single total order."""
-    p = cfg.partitions
-    return [
+    p, settings = cfg.partitions, cfg.topics
+    isr = settings.min_insync_replicas
+    everywhere = {} if isr is None else {"min.insync.replicas": str(isr)}
+    data = everywhere | (
+        {} if settings.retention_ms is None else {"retention.ms": str(settings.retention_ms)}
+    )
+    specs = [
         # Message timestamps are event times (the replay handoff seeks by them); a max-rate run's
         # virtual clock may run ahead of the wall clock, which the broker must accept.
         *(
-            TopicSpec(name=t, partitions=p, config={"message.timestamp.after.max.ms": str(2**63 - 1)})
+            TopicSpec(name=t, partitions=p, config=data | {"message.timestamp.after.max.ms": str(2**63 - 1)})
             for t in cfg.input_topics
         ),
-        TopicSpec(name=cfg.results_topic, partitions=p),
-        TopicSpec(name=cfg.dead_letter_topic, partitions=1),
+        TopicSpec(name=cfg.results_topic, partitions=p, config=data),
+        TopicSpec(name=cfg.dead_letter_topic, partitions=1, config=data),
         # Compacted: only the latest commit record per key (instance) matters. The cleaner compacts
         # closed segments only, and a segment closes at 1 GB by default (millions of markers), so it
         # rolls every 10 minutes: a controller that starts reads about that much, not the whole history.
@@ -100,12 +106,19 @@ def topic_specs(cfg: Config) -> list[TopicSpec]:
         ),
         TopicSpec(name=cfg.handoff_topic, partitions=1),
     ]
+    return [TopicSpec(name=s.name, partitions=s.partitions, config=everywhere | s.config) for s in specs]
+
+
+REQUIRED_CONFIG = {"retention.ms", "cleanup.policy", "message.timestamp.type"}
+"""The topic settings fluxjoin's correctness rests on, checked on topics it finds (`check_topic_configs`):
+the control log must keep everything (decision 0049), the commits topic must be compacted, the metrics
+topic stamped by the broker (decision 0054)."""
 
 
 def admin_client(bootstrap: str) -> AdminClient:
     """An AdminClient for `bootstrap` (does not connect until first used)."""
     return AdminClient(
-        {"bootstrap.servers": bootstrap, "socket.connection.setup.timeout.ms": 5000}, logger=KAFKA_LOG
+        {**kafka_config(bootstrap), "socket.connection.setup.timeout.ms": 5000}, logger=KAFKA_LOG
     )
 
 
@@ -186,14 +199,21 @@ def ensure_topics(cfg: Config, bootstrap: str, timeout_s: float = DEFAULT_TIMEOU
     for spec in specs:
         if spec.name in existing:
             _check_partitions(spec, existing[spec.name])
+    check_topic_configs(admin, [s for s in specs if s.name in existing], timeout_s)
     missing = [s for s in specs if s.name not in existing]
+    if missing and not cfg.topics.create:
+        raise TopicError(
+            f"topic {missing[0].name} is missing ({len(missing)} of the pipeline's {len(specs)} are) and "
+            "topics.create is false: create them as `fluxjoin topics` lists, or set topics.create=true"
+        )
     # A broker that is restarting answers a creation with a timeout (its controller not yet reachable):
     # asked again, up to VISIBLE_TIMEOUT_S, like every other request to a broker that is away.
     deadline = time.monotonic() + max(timeout_s, VISIBLE_TIMEOUT_S)
     while missing:
-        # replication_factor=-1: the broker's default (1 on a single-node broker, 3 on a real cluster).
+        # replication_factor -1 (the default): the broker's (1 on a single-node broker, 3 on a cluster).
+        rf = cfg.topics.replication_factor
         futures = admin.create_topics(
-            [NewTopic(s.name, s.partitions, -1, config=dict(s.config)) for s in missing],
+            [NewTopic(s.name, s.partitions, rf, config=dict(s.config)) for s in missing],
             request_timeout=timeout_s,
         )
         again: list[str] = []
@@ -223,6 +243,27 @@ def ensure_topics(cfg: Config, bootstrap: str, timeout_s: float = DEFAULT_TIMEOU
         partition_offsets(admin, every_partition, timeout_s=max(timeout_s, VISIBLE_TIMEOUT_S))
     except KafkaException as exc:
         raise TopicError(f"partitions without a serving leader: {exc.args[0]}") from None
+
+
+def check_topic_configs(admin: AdminClient, specs: list[TopicSpec], timeout_s: float) -> None:
+    """TopicError, in one line with the command that fixes it, when an existing topic's settings
+    contradict one of `REQUIRED_CONFIG` that its spec sets."""
+    from confluent_kafka.admin import ConfigResource, ResourceType
+
+    wanted = {s.name: {k: v for k, v in s.config.items() if k in REQUIRED_CONFIG} for s in specs}
+    resources = [ConfigResource(ResourceType.TOPIC, name) for name, config in wanted.items() if config]
+    if not resources:
+        return
+    for resource, future in admin.describe_configs(resources, request_timeout=timeout_s).items():
+        actual = future.result()
+        for key, value in wanted[resource.name].items():
+            found = actual[key].value if key in actual else None
+            if found != value:
+                raise TopicError(
+                    f"topic {resource.name} has {key}={found} but the pipeline needs {value}: "
+                    f"kafka-configs.sh --alter --entity-type topics --entity-name {resource.name} "
+                    f"--add-config {key}={value}"
+                )
 
 
 def delete_topics(bootstrap: str, names: list[str]) -> None:
@@ -286,7 +327,7 @@ def read_records(
     every transaction below it has ended (`await_settled`): everything committed before the call."""
     consumer = Consumer(
         {
-            "bootstrap.servers": bootstrap,
+            **kafka_config(bootstrap),
             "group.id": "fluxjoin-unused",
             "enable.auto.commit": False,
             "enable.partition.eof": True,

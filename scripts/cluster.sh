@@ -253,19 +253,22 @@ EOF
 EOF
 }
 
+# (Pipes into grep count matches, `grep -c ... >/dev/null`, rather than `grep -q`: under pipefail, grep -q
+# leaving early makes the writer die of SIGPIPE, and the check fails although it matched.)
+
 # The pod bridge exists before the first pod, so CoreDNS can bind its address at once.
 make_bridge() {
   if ! ip link show fluxjoin0 >/dev/null 2>&1; then
     ip link add fluxjoin0 type bridge
   fi
-  ip addr show dev fluxjoin0 | grep -q "inet $POD_GATEWAY/" || ip addr add "$POD_GATEWAY/16" dev fluxjoin0
+  ip addr show dev fluxjoin0 | grep -c "inet $POD_GATEWAY/" >/dev/null || ip addr add "$POD_GATEWAY/16" dev fluxjoin0
   ip link set fluxjoin0 up
   sysctl -qw net.ipv4.ip_forward=1
 }
 
 # Kubernetes' pause container, compiled from the pause.c in the same module as the kubelet.
 make_pause_image() {
-  if ctr_k8s images ls -q | grep -qx "$PAUSE_IMAGE"; then return; fi
+  if ctr_k8s images ls -q | grep -cx "$PAUSE_IMAGE" >/dev/null; then return; fi
   local src dir
   src="$(find "${FLUXJOIN_CACHE:-$HOME/.cache/fluxjoin}/k8s-tools/go-mod/k8s.io" -maxdepth 1 -name 'kubernetes@*' \
     | sort | tail -n 1)/build/pause/linux/pause.c"
@@ -289,12 +292,12 @@ load() {
   for image in "$@"; do
     id="$(docker image inspect --format '{{.Id}}' "$image")" || die "no image $image in the Docker engine"
     ref="$(image_ref "$image")"
-    if [[ "$(cat "$stamps/${ref//\//_}" 2>/dev/null)" == "$id" ]] && ctr_k8s images ls -q | grep -qx "$ref"; then
+    if [[ "$(cat "$stamps/${ref//\//_}" 2>/dev/null)" == "$id" ]] && ctr_k8s images ls -q | grep -cx "$ref" >/dev/null; then
       continue
     fi
     local t0=$SECONDS
     known="$(grep -lx "$id" "$stamps"/* 2>/dev/null | head -n 1 || true)"
-    if [[ -n "$known" ]] && ctr_k8s images ls -q | grep -qx "$(basename "$known" | tr _ /)"; then
+    if [[ -n "$known" ]] && ctr_k8s images ls -q | grep -cx "$(basename "$known" | tr _ /)" >/dev/null; then
       ctr_k8s images tag --force "$(basename "$known" | tr _ /)" "$ref" >/dev/null
     else
       docker save "$image" | ctr_k8s images import - >/dev/null
@@ -318,7 +321,7 @@ image_ref() {
 api_ready() { kubectl --kubeconfig "$KUBECONFIG_ADMIN" get --raw /readyz; }
 node_ready() {
   kubectl --kubeconfig "$KUBECONFIG_ADMIN" get node "$NODE" \
-    -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' | grep -qx True
+    -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' | grep -cx True >/dev/null
 }
 
 # The node's runtime and network pieces come from Debian.
@@ -421,7 +424,7 @@ down() {
   awk -v root="$STATE/" 'index($2, root) == 1 {print $2}' /proc/mounts | sort -r | xargs -r -n1 umount -l
   awk -v root="$RUN/" 'index($2, root) == 1 {print $2}' /proc/mounts | sort -r | xargs -r -n1 umount -l
   ip link delete fluxjoin0 2>/dev/null || true
-  iptables-save 2>/dev/null | grep -q 'CNI-' && log "note: CNI iptables chains remain (harmless)"
+  iptables-save 2>/dev/null | grep -c 'CNI-' >/dev/null && log "note: CNI iptables chains remain (harmless)"
   rm -rf "$STATE" "$RUN"
   log "down: state deleted (images stay in $CONTAINERD_ROOT)"
 }

@@ -3,10 +3,12 @@
 The cluster (scripts/cluster.sh: kubelet, containerd, scheduler, controller-manager, CoreDNS, a default
 StorageClass) runs real pods from the image `make image` builds. The chart installs its trial Kafka, the
 operator, a JoinPipeline of two instances and the generator; while input flows the pipeline is scaled
-2 -> 4 -> 2, rolled to a second image tag, loses an instance pod to a forced deletion and its node's
-kubelet for 30 s. Then the generator stops and the oracle, a Job running `fluxjoin verify` on the input
-topics alone, must find the results exact; `helm uninstall` must leave nothing behind. Timings and counts
-go to reports/e2e.json.
+2 -> 4 -> 2, rolled to a second image tag (each instance resumes from its checkpoint), rolled back with
+`plannedRestart: drain` (each instance's pids move to the other before it stops), loses an instance pod
+to a forced deletion and its node's kubelet for 30 s. Each pid's longest pause in each rolling update
+comes from the instances' batch records. Then the generator stops and the oracle, a Job running
+`fluxjoin verify` on the input topics alone, must find the results exact; `helm uninstall` must leave
+nothing behind. Timings and counts go to reports/e2e.json.
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ def kube() -> Iterator[Kube]:
     k = Kube(kubeconfig, NAMESPACE, bin_dir)
     k.run("kubectl", "delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true", timeout=600)
     k.run("kubectl", "create", "namespace", NAMESPACE)
+    # Helm installs a chart's CRDs only where none exists and never upgrades them: a cluster kept from an
+    # earlier run would otherwise serve an older schema, which prunes the fields it does not know.
+    k.run("kubectl", "apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
     k.broker_image = broker  # type: ignore[attr-defined]
     yield k
     if was_running:  # somebody's cluster (make e2e starts one first): leave it as it was, but for the test
@@ -182,6 +187,77 @@ def _verify_job(kube: Kube, attempt: int) -> dict[str, Any]:
     return last_json_line(log)
 
 
+PAUSES = """
+import json, sys
+from itertools import pairwise
+from pipeline.config import load_config
+from pipeline.topics import read_records
+
+cfg = load_config("/etc/fluxjoin/fluxjoin.yaml")
+windows = json.loads(sys.argv[1])
+records = [json.loads(v) for _, _, v in read_records(cfg.bootstrap, cfg.metrics_topic) if v]
+records = [r for r in records if r.get("kind") == "batch"]
+report = {}
+for name, (start_ms, end_ms) in windows.items():
+    longest = {}
+    for pid in range(cfg.partitions):
+        times = sorted(r["time_ms"] for r in records if r["pids"].get(str(pid), {}).get("in", 0) > 0
+                       and start_ms - 5000 <= r["time_ms"] <= end_ms + 5000)
+        longest[pid] = max([b - a for a, b in pairwise(times)], default=end_ms - start_ms) / 1000
+    ordered = sorted(longest.values())
+    report[name] = {"max_s": round(ordered[-1], 1), "median_s": round(ordered[len(ordered) // 2], 1)}
+print(json.dumps(report))
+"""
+"""Each pid's longest gap between two batches that read its input, within each named window of wall-clock
+milliseconds (from 5 s before to 5 s after): the pause an action caused. Run in the cluster, on the
+metrics topic."""
+
+
+def _pauses(kube: Kube, windows: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    manifest = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "pauses"},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
+                    "containers": [
+                        {
+                            "name": "pauses",
+                            "image": f"{IMAGE}:{TAG}",
+                            "imagePullPolicy": "Never",
+                            "command": ["python", "-c", PAUSES, json.dumps(windows)],
+                            "volumeMounts": [{"name": "config", "mountPath": "/etc/fluxjoin"}],
+                        }
+                    ],
+                    "volumes": [{"name": "config", "configMap": {"name": f"{PIPELINE}-generator"}}],
+                }
+            },
+        },
+    }
+    succeeded, log = run_job(kube, "pauses", manifest, timeout_s=300)
+    assert succeeded, log[-3000:]
+    return last_json_line(log)
+
+
+def _roll(kube: Kube, tag: str, *settings: str) -> tuple[float, tuple[int, int]]:
+    """`helm upgrade` to an image tag (a new pod template: every instance restarts); the seconds until
+    every instance runs it and the pipeline is Ready again, and that span in wall-clock milliseconds."""
+    start_ms = int(time.time() * 1000)
+    kube.helm("upgrade", RELEASE, str(CHART), "--reuse-values", "--set", f"image.tag={tag}", *settings)
+
+    def rolled() -> bool:
+        pods = kube.pods(INSTANCES)
+        images = {c["image"] for p in pods for c in p["spec"]["containers"]}
+        return images == {f"{IMAGE}:{tag}"} and _ready(kube, 2) and _instance_pods_ready(kube, 2)
+
+    took = wait_until(f"helm upgrade to {tag} -> every instance rolled", 900, rolled, kube.overview)
+    return took, (start_ms, int(time.time() * 1000))
+
+
 def test_helm_install_scale_roll_and_faults_stay_exact(kube: Kube) -> None:
     report: dict[str, Any] = {"rate": RATE}
     t_start = time.monotonic()
@@ -195,18 +271,16 @@ def test_helm_install_scale_roll_and_faults_stay_exact(kube: Kube) -> None:
         steps[f"scale_to_{replicas}_s"] = _wait_ready(kube, replicas, f"kubectl scale --replicas={replicas}")
     report["scale"] = steps
 
-    # A rolling update: the same image under a second tag (a new pod template, every instance restarts).
-    kube.helm("upgrade", RELEASE, str(CHART), "--reuse-values", "--set", f"image.tag={SECOND_TAG}")
-
-    def rolled() -> bool:
-        pods = kube.pods(INSTANCES)
-        images = {c["image"] for p in pods for c in p["spec"]["containers"]}
-        return images == {f"{IMAGE}:{SECOND_TAG}"} and _ready(kube, 2) and _instance_pods_ready(kube, 2)
-
-    report["rolling_update_s"] = wait_until(
-        "helm upgrade -> every instance rolled", 900, rolled, kube.overview
+    # A rolling update: the same image under a second tag (a new pod template, every instance restarts),
+    # each instance resuming its pids from its checkpoint; then back to the first tag with each instance
+    # draining its pids to the other before it stops (decision 0056).
+    report["rolling_update_s"], resume_window = _roll(kube, SECOND_TAG)
+    say(f"rolling update, resume: {report['rolling_update_s']:.0f} s")
+    report["rolling_update_drain_s"], drain_window = _roll(
+        kube, TAG, "--set", "pipeline.liveness.plannedRestart=drain"
     )
-    say(f"rolling update: {report['rolling_update_s']:.0f} s")
+    say(f"rolling update, drain: {report['rolling_update_drain_s']:.0f} s")
+    assert _pipeline(kube)["spec"]["liveness"]["plannedRestart"] == "drain"
 
     victim = sorted(kube.pods(INSTANCES), key=lambda p: str(p["metadata"]["name"]))[0]["metadata"]
     kube.kubectl("delete", "pod", victim["name"], "--grace-period=0", "--force")
@@ -291,6 +365,10 @@ def test_helm_install_scale_roll_and_faults_stay_exact(kube: Kube) -> None:
             break
         time.sleep(20)
     report["oracle"] = verdict
+    report["pid_pauses"] = _pauses(
+        kube, {"rolling_update": resume_window, "rolling_update_drain": drain_window}
+    )
+    say(f"each pid's longest pause: {json.dumps(report['pid_pauses'])}")
 
     t0 = time.monotonic()
     kube.helm("uninstall", RELEASE, "--wait", "--timeout", "5m")

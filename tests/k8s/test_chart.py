@@ -102,6 +102,71 @@ def test_helm_install_creates_every_object(kube: KubeCluster, namespace: str, cr
     assert (spec["partitions"], spec["replicas"], spec["windowMs"]) == (64, 3, 10000)
 
 
+SECURED = [
+    "--set", "pipeline.create=true,generator.enabled=true,kafka.bootstrapServers=kafka.kafka.svc:9093",
+    "--set", "kafka.security.protocol=SASL_SSL,kafka.security.saslMechanism=SCRAM-SHA-512",
+    "--set", "kafka.security.username=fluxjoin,kafka.security.passwordSecret.name=fluxjoin-user",
+    "--set", "kafka.security.caSecret.name=kafka-cluster-ca-cert",
+]  # fmt: skip
+
+
+def test_kafka_credentials_from_a_secret_reach_every_pod_as_files_and_nowhere_else(
+    kube: KubeCluster, namespace: str, crd: None
+) -> None:
+    """The operator, the generator and (through spec.kafka.security, rendered by the operator) every
+    instance pod log in alike: FLUXJOIN_KAFKA_* naming files of a projected Secret volume. The password
+    itself is in none of the objects the chart or the operator write."""
+    from controller.workload import (
+        KAFKA_CREDENTIALS_DIR,
+        InstanceSettings,
+        PipelineSpec,
+        kafka_credentials,
+        statefulset,
+    )
+
+    password = "pw-" + namespace
+    core = kubernetes.client.CoreV1Api(kube.api_client)
+    core.create_namespaced_secret(
+        namespace,
+        kubernetes.client.V1Secret(
+            metadata=kubernetes.client.V1ObjectMeta(name="fluxjoin-user"), string_data={"password": password}
+        ),
+    )
+    kube.helm("install", "fj", str(CHART), "-n", namespace, *SECURED)
+    apps = kubernetes.client.AppsV1Api(kube.api_client)
+    pipeline = _getpipeline_manifest(kube, namespace, "fj-fluxjoin")
+    env, volume = kafka_credentials(pipeline["spec"]["kafka"]["security"])
+    assert {e["name"]: e["value"] for e in env} == {
+        "FLUXJOIN_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "FLUXJOIN_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        "FLUXJOIN_KAFKA_SASL_USERNAME": "fluxjoin",
+        "FLUXJOIN_KAFKA_SASL_PASSWORD_FILE": f"{KAFKA_CREDENTIALS_DIR}/password",
+        "FLUXJOIN_KAFKA_SSL_CA_FILE": f"{KAFKA_CREDENTIALS_DIR}/ca.crt",
+    }
+    sts = statefulset(PipelineSpec.from_object(pipeline), InstanceSettings(image="fluxjoin:test"), 1)
+    kube.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input_text=json.dumps(sts))
+    instance_pod = sts["spec"]["template"]["spec"]
+    pods = {
+        "operator": _plain(kube, apps.read_namespaced_deployment("fj-fluxjoin-operator", namespace)),
+        "generator": _plain(kube, apps.read_namespaced_deployment("fj-fluxjoin-generator", namespace)),
+    }
+    for name, deployment in pods.items():
+        pod = deployment["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert [e for e in container["env"] if e["name"].startswith("FLUXJOIN_KAFKA_")] == env, name
+        assert [v for v in pod["volumes"] if v["name"] == "kafka-credentials"] == [volume], name
+        assert {
+            "name": "kafka-credentials",
+            "mountPath": KAFKA_CREDENTIALS_DIR,
+            "readOnly": True,
+        } in container["volumeMounts"], name
+    (instance,) = instance_pod["containers"]
+    assert [e for e in instance["env"] if e["name"].startswith("FLUXJOIN_KAFKA_")] == env
+    assert volume in instance_pod["volumes"]
+    everything = json.dumps([pipeline, pods, instance_pod])
+    assert password not in everything
+
+
 def test_helm_generator_config_is_a_valid_pipeline_config(
     kube: KubeCluster, namespace: str, crd: None
 ) -> None:

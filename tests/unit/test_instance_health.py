@@ -115,6 +115,17 @@ def test_stopping_on_a_signal_stays_alive_and_a_stopped_query_stays_dead() -> No
     assert health.readiness() == (False, "stopped")
 
 
+def test_a_draining_instance_is_not_ready_and_its_query_must_still_progress() -> None:
+    health, clock = _health(stall_s=60.0)
+    health.enter(Phase.RUNNING)
+    health.observe(progress_ms=1, batch=0, serving=True)
+    health.enter(Phase.DRAINING)
+    assert health.readiness() == (False, Phase.DRAINING.value)
+    assert health.liveness() == (True, Phase.DRAINING.value)
+    clock.now += 61
+    assert not health.liveness()[0]
+
+
 # --- metrics ---
 
 

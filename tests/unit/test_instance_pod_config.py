@@ -112,6 +112,41 @@ def test_a_pipeline_named_like_a_yaml_number_or_boolean_reaches_its_instances_as
     assert started["metrics_port"] == SETTINGS.metrics_port == 9108
 
 
+def test_a_drain_planned_restart_reaches_the_instance_and_outlasts_the_pods_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under `drain` (decision 0056) the instance waits up to the drain timeout on SIGTERM, and the
+    kubelet gives it that long and more before it kills it; `resume`, the default, waits for nothing."""
+    resume = _pipeline("p", ["A", "B"])
+    assert resume.instance.drain_timeout_s == 0
+    assert statefulset(resume, SETTINGS, 1)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60
+    drain = _pipeline("p", ["A", "B"], liveness={"plannedRestart": "drain", "drainTimeoutSeconds": 90})
+    sts = statefulset(drain, SETTINGS, 1)
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 120
+    cfg, _ = _start_pod(sts, [config_map(drain)], tmp_path, monkeypatch)
+    assert cfg.instance.drain_timeout_s == 90
+
+
+def test_topic_settings_of_the_spec_reach_the_instances(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = PipelineSpec.from_object(
+        {
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "generation": 1},
+            "spec": {
+                "kafka": {
+                    "bootstrapServers": "kafka:9092",
+                    "topics": {"create": False, "replicationFactor": 3, "minInsyncReplicas": 2},
+                },
+                "streams": ["A", "B"],
+            },
+        }
+    )
+    cfg, _ = _start_pod(statefulset(spec, SETTINGS, 1), [config_map(spec)], tmp_path, monkeypatch)
+    assert (cfg.topics.create, cfg.topics.replication_factor, cfg.topics.min_insync_replicas) == (False, 3, 2)
+    assert cfg.topics.retention_ms is None
+
+
 def test_pipelines_of_one_name_in_two_namespaces_share_no_topic_and_no_transactional_id(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

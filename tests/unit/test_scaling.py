@@ -275,6 +275,45 @@ def test_plan_step(
     assert plan.reason
 
 
+@pytest.mark.parametrize(
+    ("assignment", "stopping", "ready", "kind", "moves"),
+    [
+        pytest.param(
+            layout(x_0="0-3", x_1="4-7"), {"x-1"}, {"x-0"}, StepKind.DRAIN,
+            moved(*[(pid, "x-1", "x-0") for pid in range(4, 8)]),
+            id="a-stopping-instance-is-drained-onto-the-others",
+        ),
+        pytest.param(
+            layout(x_0="0-7"), {"x-0"}, {"x-1"}, StepKind.DRAIN,
+            moved(*[(pid, "x-0", "x-1") for pid in range(8)]),
+            id="onto-a-ready-empty-instance-back-from-its-own-restart",
+        ),
+        pytest.param(
+            layout(x_0="0-7"), {"x-1"}, {"x-0", "x-1"}, StepKind.AWAIT_READY, (),
+            id="a-stopping-instance-takes-no-pids",
+        ),
+        pytest.param(
+            layout(x_0="0-3", x_1="4-7"), {"x-0", "x-1"}, set(), StepKind.AWAIT_READY, (),
+            id="nowhere-to-drain-waits",
+        ),
+    ],
+)  # fmt: skip
+def test_plan_step_drains_stopping_instances(
+    assignment: Assignment,
+    stopping: set[str],
+    ready: set[str],
+    kind: StepKind,
+    moves: tuple[Move, ...],
+) -> None:
+    """A planned restart under `drain` (decision 0056): the stopping instance's pids go to the others,
+    and it takes none while it stops."""
+    plan = plan_step(
+        pipeline="x", partitions=8, replicas=2, assignment=assignment, in_flight=(), ready=ready,
+        stopping=stopping,
+    )  # fmt: skip
+    assert (plan.kind, plan.width, plan.moves) == (kind, 2, moves), plan.reason
+
+
 def test_plan_step_start_publishes_contiguous_ranges_over_the_pods() -> None:
     plan = plan_step(pipeline="x", partitions=8, replicas=3, assignment=None, in_flight=(), ready=set())
     assert plan.initial == initial_assignment(8, ["x-0", "x-1", "x-2"])

@@ -117,3 +117,95 @@ capabilities:
 {{- fail "the pipeline name (pipeline.name, else the release full name) must be at most 40 characters" }}
 {{- end }}
 {{- end }}
+
+{{/* kafka.security with every key present (an upgrade with --reuse-values keeps an older release's
+values, which may lack it): protocol, saslMechanism, username, and the Secret names and keys. */}}
+{{- define "fluxjoin.kafkaSecurity" -}}
+{{- $s := .Values.kafka.security | default dict }}
+{{- toJson (dict
+  "protocol" (dig "protocol" "PLAINTEXT" $s)
+  "saslMechanism" (dig "saslMechanism" "" $s)
+  "username" (dig "username" "" $s)
+  "password" (dig "passwordSecret" "name" "" $s) "passwordKey" (dig "passwordSecret" "key" "password" $s)
+  "ca" (dig "caSecret" "name" "" $s) "caKey" (dig "caSecret" "key" "ca.crt" $s)
+  "client" (dig "clientCertSecret" "name" "" $s)
+  "certKey" (dig "clientCertSecret" "certKey" "user.crt" $s) "keyKey" (dig "clientCertSecret" "keyKey" "user.key" $s)
+) }}
+{{- end }}
+
+{{/* The FLUXJOIN_KAFKA_* variables of a container that logs in to Kafka as kafka.security says; the
+files they name come from fluxjoin.kafkaCredentialsVolume, mounted at /etc/fluxjoin/kafka. The operator
+renders the same for instance pods (controller.workload.kafka_credentials; a test keeps them equal). */}}
+{{- define "fluxjoin.kafkaCredentialsEnv" -}}
+{{- $s := include "fluxjoin.kafkaSecurity" . | fromJson }}
+{{- if ne $s.protocol "PLAINTEXT" }}
+- name: FLUXJOIN_KAFKA_SECURITY_PROTOCOL
+  value: {{ $s.protocol | quote }}
+{{- with $s.saslMechanism }}
+- name: FLUXJOIN_KAFKA_SASL_MECHANISM
+  value: {{ . | quote }}
+{{- end }}
+{{- with $s.username }}
+- name: FLUXJOIN_KAFKA_SASL_USERNAME
+  value: {{ . | quote }}
+{{- end }}
+{{- if $s.password }}
+- name: FLUXJOIN_KAFKA_SASL_PASSWORD_FILE
+  value: /etc/fluxjoin/kafka/password
+{{- end }}
+{{- if $s.ca }}
+- name: FLUXJOIN_KAFKA_SSL_CA_FILE
+  value: /etc/fluxjoin/kafka/ca.crt
+{{- end }}
+{{- if $s.client }}
+- name: FLUXJOIN_KAFKA_SSL_CERT_FILE
+  value: /etc/fluxjoin/kafka/user.crt
+- name: FLUXJOIN_KAFKA_SSL_KEY_FILE
+  value: /etc/fluxjoin/kafka/user.key
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Whether kafka.security names any Secret to mount. */}}
+{{- define "fluxjoin.kafkaCredentialsMounted" -}}
+{{- $s := include "fluxjoin.kafkaSecurity" . | fromJson }}
+{{- if and (ne $s.protocol "PLAINTEXT") (or $s.password $s.ca $s.client) }}true{{ end }}
+{{- end }}
+
+{{/* The projected volume of the Secrets kafka.security names (see fluxjoin.kafkaCredentialsEnv). */}}
+{{- define "fluxjoin.kafkaCredentialsVolume" -}}
+{{- $s := include "fluxjoin.kafkaSecurity" . | fromJson }}
+{{- if include "fluxjoin.kafkaCredentialsMounted" . }}
+- name: kafka-credentials
+  projected:
+    defaultMode: 288
+    sources:
+      {{- if $s.password }}
+      - secret:
+          name: {{ $s.password | quote }}
+          items: [{key: {{ $s.passwordKey | quote }}, path: password}]
+      {{- end }}
+      {{- if $s.ca }}
+      - secret:
+          name: {{ $s.ca | quote }}
+          items: [{key: {{ $s.caKey | quote }}, path: ca.crt}]
+      {{- end }}
+      {{- if $s.client }}
+      - secret:
+          name: {{ $s.client | quote }}
+          items: [{key: {{ $s.certKey | quote }}, path: user.crt}]
+      - secret:
+          name: {{ $s.client | quote }}
+          items: [{key: {{ $s.keyKey | quote }}, path: user.key}]
+      {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The mount of fluxjoin.kafkaCredentialsVolume in a container. */}}
+{{- define "fluxjoin.kafkaCredentialsMount" -}}
+{{- if include "fluxjoin.kafkaCredentialsMounted" . }}
+- name: kafka-credentials
+  mountPath: /etc/fluxjoin/kafka
+  readOnly: true
+{{- end }}
+{{- end }}
