@@ -39,9 +39,25 @@ BootstrapOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
+EXIT_NOT_EXACT, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
+"""Exit statuses (README): 0 done (`verify`: exact); 1 `verify` found the results not exact, or `move`
+did not complete in time; 2 a usage or configuration error; 3 Kafka unreachable or refusing us."""
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
+
+
+@app.callback()
+def _kafka_security() -> None:
+    """Check the FLUXJOIN_KAFKA_* settings (docs/security.md) before any command makes a Kafka client."""
+    from pipeline.kafka_client import KafkaSecurity, KafkaSecurityError
+
+    try:
+        KafkaSecurity.from_env()
+    except KafkaSecurityError as exc:
+        fail(str(exc))
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -70,19 +86,22 @@ def _bootstrap(cfg: Config) -> str:
 
     address = kafka_runtime.running_address()
     if address is None:
-        fail("no Kafka broker: run `fluxjoin kafka start` first, or pass --bootstrap HOST:PORT")
+        fail(
+            "no Kafka broker: run `fluxjoin kafka start` first, or pass --bootstrap HOST:PORT",
+            EXIT_UNREACHABLE,
+        )
     return address
 
 
 def _reachable(cfg: Config) -> str:
-    """`_bootstrap`, checked to answer within 10 s: one line and exit status 2 when it does not."""
+    """`_bootstrap`, checked to answer within 10 s: one line and exit status 3 when it does not."""
     from pipeline.topics import BrokerUnreachable, check_reachable
 
     address = _bootstrap(cfg)
     try:
         check_reachable(address)
     except BrokerUnreachable as exc:
-        fail(str(exc))
+        fail(str(exc), EXIT_UNREACHABLE)
     return address
 
 
@@ -188,12 +207,15 @@ def verify(
 ) -> None:
     """Judge the results topic and the late dead letters against the input topics alone: the expected
     join is counted by the lateness rule of each input partition (exit 0: exact, 1: not exact, 2: could
-    not judge)."""
+    not judge, 3: Kafka unreachable)."""
     from pipeline.oracle import verify_pipeline
+    from pipeline.topics import BrokerUnreachable
 
     cfg = _config(config, set_, bootstrap)
     try:
         report = verify_pipeline(cfg, _bootstrap(cfg), progress=_progress(json_))
+    except BrokerUnreachable as exc:
+        fail(str(exc), EXIT_UNREACHABLE)
     except _user_errors() as exc:
         fail(str(exc))
     except Exception as exc:  # could not judge: never the "not exact" of exit status 1
@@ -317,7 +339,7 @@ def move(
     try:
         request = request_moves(cfg, address, wanted, to, _mode(mode), wait_s=wait)
     except (KafkaException, RuntimeError) as exc:
-        fail(f"the move request did not reach Kafka at {address}: {_kafka_reason(exc)}")
+        fail(f"the move request did not reach Kafka at {address}: {_kafka_reason(exc)}", EXIT_UNREACHABLE)
     print(f"requested {request.request_id}: pids {pids} -> {to} ({request.mode.value})")
     if wait <= 0:
         return
@@ -330,7 +352,7 @@ def move(
                 print(f"done: pid {p} is processed by {owner}" + ("" if owner == to else f", not {to}"))
             return
         time.sleep(0.5)
-    fail(f"not done after {wait:g} s (is `fluxjoin controller` running, and {to} alive?)", code=1)
+    fail(f"not done after {wait:g} s (is `fluxjoin controller` running, and {to} alive?)", EXIT_NOT_EXACT)
 
 
 @app.command()
@@ -368,7 +390,7 @@ def acls(
         try:
             create_acls(address, bindings)
         except KafkaException as exc:
-            fail(f"Kafka at {address}: {_kafka_reason(exc)}", code=3)
+            fail(f"Kafka at {address}: {_kafka_reason(exc)}", EXIT_UNREACHABLE)
         print(f"created {len(bindings)} ACLs at {address}")
 
 
@@ -384,7 +406,7 @@ def status(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOp
     except _user_errors() as exc:
         fail(str(exc))
     except KafkaException as exc:
-        fail(f"Kafka at {address}: {_kafka_reason(exc)}")
+        fail(f"Kafka at {address}: {_kafka_reason(exc)}", EXIT_UNREACHABLE)
 
 
 @app.command("operator")
@@ -676,12 +698,7 @@ def bench_generator(
 
 
 def main() -> None:
-    from pipeline.kafka_client import KafkaSecurityError
-
     try:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
-    except KafkaSecurityError as exc:  # FLUXJOIN_KAFKA_* settings that cannot work: the user's to fix
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        sys.exit(2)

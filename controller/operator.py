@@ -317,6 +317,12 @@ class LeaseElector:
             log.warning("cannot release Lease %s: %s", self.name, exc.reason)
 
 
+RETRY_MAX_S = 300.0
+"""A pipeline whose reconcile failed is tried again after 1, 2, 4 ... seconds, at most this long, or at
+once when its spec changes: one pipeline with an unreachable broker (each attempt waiting on Kafka's
+timeouts) must not slow every other pipeline's round."""
+
+
 @dataclass
 class OperatorMetrics:
     """Counters served on /metrics (Prometheus text format)."""
@@ -379,6 +385,8 @@ class Operator:
         self._wall = wall
         self._clock = clock
         self._movers: dict[tuple[str, str], PidMover] = {}
+        self._retry: dict[str, tuple[int, float, int]] = {}
+        """uid -> (failures in a row, clock time before which the pipeline waits, its generation then)."""
         self._rounds: dict[tuple[str, str], PolicyRounds] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -492,10 +500,18 @@ class Operator:
         items: list[dict[str, Any]] = listed.get("items", [])
         self.metrics.pipelines = len(items)
         for obj in items:
+            meta = obj["metadata"]
+            uid, generation = meta["uid"], int(meta.get("generation", 0))
+            failed, retry_at, failed_generation = self._retry.get(uid, (0, 0.0, generation))
+            waiting = self._clock() < retry_at and generation == failed_generation
+            if waiting and not meta.get("deletionTimestamp"):
+                continue  # a pipeline that keeps failing (its broker away) waits its turn, not the others
             self.metrics.reconciles += 1
             try:
                 self.reconcile(obj)
+                self._retry.pop(uid, None)
             except Exception as exc:  # reported on the pipeline itself; the other pipelines go on
+                self._retry[uid] = (failed + 1, self._clock() + min(RETRY_MAX_S, 2.0**failed), generation)
                 self.metrics.failures += 1
                 log.warning("reconcile of %s failed: %s", obj["metadata"]["name"], exc, exc_info=True)
                 self._report_failure(obj, _failure_message(exc))

@@ -341,11 +341,11 @@ def _build(tree: dict[str, Any], overrides: Sequence[str]) -> Config:
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        lines = []
+        problems = []
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            lines.append(f"  {loc}: {err['msg']}")
-        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+            problems.append(f"{loc}: {err['msg']}")
+        raise ConfigError("invalid configuration: " + "; ".join(problems)) from None
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:

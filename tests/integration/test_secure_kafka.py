@@ -106,10 +106,10 @@ def test_a_pipeline_on_a_sasl_ssl_broker_with_acls_is_exact_and_strangers_are_re
     assert answered.returncode == 0, answered.stderr[-2000:]
     assert "instance-1" in answered.stdout
 
-    # No credentials: the TLS listener does not speak plain Kafka. One line, exit status 2.
+    # No credentials: the TLS listener does not speak plain Kafka. One line, exit status 3.
     plain = {k: v for k, v in env.items() if not k.startswith("FLUXJOIN_KAFKA_")}
     refused = _fluxjoin("status", "--config", str(pipeline.config_path), env=plain)
-    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.returncode == 3, refused.stderr[-2000:]
     assert refused.stderr.startswith("error: ") and len(refused.stderr.strip().splitlines()) == 1, (
         refused.stderr
     )
@@ -123,7 +123,7 @@ def test_a_pipeline_on_a_sasl_ssl_broker_with_acls_is_exact_and_strangers_are_re
         str(pipeline.config_path),
         env=env | {"FLUXJOIN_KAFKA_SASL_PASSWORD_FILE": str(wrong)},
     )
-    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.returncode == 3, refused.stderr[-2000:]
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
 
     # Another principal, logged in: the pipeline's topics are closed to it, reading and writing.

@@ -413,7 +413,8 @@ def test_the_instance_image_defaults_to_the_operators_and_spec_changes_update_th
 def test_problems_are_reported_on_the_pipeline_once_and_do_not_stop_the_others(
     kube: KubeCluster, namespace: str, crd: None
 ) -> None:
-    operator = Operator(kube.api_client, namespace, Movers(), InstanceSettings())
+    clock = FakeClock()
+    operator = Operator(kube.api_client, namespace, Movers(), InstanceSettings(), clock=clock)
     _apply(kube, namespace, "x", partitions=4, replicas=1)
     _apply(kube, namespace, "pt", partitions=4, replicas=1, handoffMode="parallel_track", image="fluxjoin:1")
     _apply(kube, namespace, "fine", partitions=4, replicas=1, image="fluxjoin:1")
@@ -427,6 +428,17 @@ def test_problems_are_reported_on_the_pipeline_once_and_do_not_stop_the_others(
     assert _reasons(kube, namespace).count("ReconcileFailed") == 1
     operator.reconcile_once()
     assert _reasons(kube, namespace).count("ReconcileFailed") == 1, "one event per new failure, not per round"
+    # The failing pipeline waits (1 s, then 2, 4 ...) while the others are reconciled every round.
+    assert (operator.metrics.failures, operator.metrics.reconciles) == (1, 5)
+    clock.now += 1.0
+    operator.reconcile_once()
+    assert (operator.metrics.failures, operator.metrics.reconciles) == (2, 8)
+    clock.now += 1.0
+    operator.reconcile_once()
+    assert (operator.metrics.failures, operator.metrics.reconciles) == (2, 10)
+    kube.kubectl("patch", "-n", namespace, "jp/x", "--type=merge", "-p", '{"spec":{"image":"fluxjoin:1"}}')
+    operator.reconcile_once()  # a changed spec is tried at once
+    assert (operator.metrics.failures, operator.metrics.reconciles) == (2, 13)
 
 
 # --- scale ---
@@ -643,6 +655,8 @@ def test_only_ready_pods_may_take_pids_and_missing_or_unready_ones_get_the_resta
     assert _jp(kube, namespace)["spec"]["liveness"] == {
         "heartbeatTimeoutSeconds": 10,
         "restartGraceSeconds": 90,
+        "plannedRestart": "resume",
+        "drainTimeoutSeconds": 120,
     }
 
 

@@ -1,4 +1,4 @@
-"""The command line with no broker where it points: one line naming the address, exit status 2, no
+"""The command line with no broker where it points: one line naming the address, exit status 3, no
 traceback (a real socket with nothing listening; no broker is needed to show it)."""
 
 from __future__ import annotations
@@ -21,6 +21,34 @@ def _nothing_listens() -> str:
 def test_a_command_without_a_broker_says_so_in_one_line(command: list[str]) -> None:
     address = _nothing_listens()
     result = CliRunner().invoke(app, [*command, "--bootstrap", address])
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 3, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach Kafka at {address}"), result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "line"),
+    [
+        pytest.param(
+            ["status", "--set", "window_ms=-1"], {},
+            "error: invalid configuration: window_ms: Input should be greater than 0",
+            id="invalid-config-value",
+        ),
+        pytest.param(
+            ["status", "--config", "/nonexistent/fluxjoin.yaml"], {},
+            "error: config file /nonexistent/fluxjoin.yaml does not exist",
+            id="missing-config-file",
+        ),
+        pytest.param(
+            ["status"], {"FLUXJOIN_KAFKA_SECURITY_PROTOCOL": "SASL_SSL"},
+            "error: SASL_SSL needs FLUXJOIN_KAFKA_SASL_MECHANISM: one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512",
+            id="incomplete-kafka-security",
+        ),
+    ],
+)  # fmt: skip
+def test_a_usage_or_configuration_error_is_one_line_and_exit_status_2(
+    args: list[str], env: dict[str, str], line: str
+) -> None:
+    result = CliRunner().invoke(app, [*args, "--bootstrap", _nothing_listens()], env=env)
+    assert result.exit_code == 2, result.output
+    assert [x for x in result.output.splitlines() if x.strip()] == [line]
