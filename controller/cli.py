@@ -131,7 +131,8 @@ def kafka_stop(port: Annotated[int, typer.Option(help="Client port of the broker
     """Stop the embedded broker (its data stays until the next `start --fresh`)."""
     from controller import kafka_runtime
 
-    kafka_runtime.stop(port=port)
+    pid = kafka_runtime.stop(port=port)
+    print(f"stopped the broker at localhost:{port} (pid {pid})" if pid else f"no broker runs for port {port}")
 
 
 @kafka_app.command("status")
@@ -395,14 +396,17 @@ def acls(
 
 
 @app.command()
-def status(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOpt = None) -> None:
-    """The assignment of record, moves in flight and per-instance load."""
-    from controller.status import describe_status
+def status(
+    config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOpt = None, json_: JsonOpt = False
+) -> None:
+    """The assignment of record, moves in flight and per-instance load and lag (0 once drained)."""
+    from controller.status import describe_status, pipeline_status
 
     cfg = _config(config, set_, bootstrap)
     address = _reachable(cfg)
     try:
-        print(describe_status(cfg, address))
+        found = pipeline_status(cfg, address)
+        print(json.dumps(found) if json_ else describe_status(found))
     except _user_errors() as exc:
         fail(str(exc))
     except KafkaException as exc:

@@ -519,8 +519,9 @@ def _wait_ready(
     )
 
 
-def stop(port: int = 9092) -> None:
-    """Stop the broker for `port`: SIGTERM (clean shutdown), SIGKILL after STOP_TIMEOUT_S. Idempotent."""
+def stop(port: int = 9092) -> int | None:
+    """Stop the broker for `port`: SIGTERM (clean shutdown), SIGKILL after STOP_TIMEOUT_S. Idempotent.
+    The process id it stopped, None when none ran."""
     pid = _broker_pid(port)
     if pid is not None:
         with contextlib.suppress(ProcessLookupError):
@@ -535,6 +536,7 @@ def stop(port: int = 9092) -> None:
                 time.sleep(0.05)
     _STARTED.pop(port, None)
     _pid_file(port).unlink(missing_ok=True)
+    return pid
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import sys
 import threading
 import time
 from collections import deque
@@ -612,15 +613,25 @@ class _Sender:
             )
 
 
+LOG_EVERY_S = 30.0
+"""How often the generator says how far it has got when its stderr is no terminal (a pod's log)."""
+
+
 class _Progress:
-    """A one-line rich progress display on stderr (tuples produced, tuples/s), or nothing."""
+    """A one-line rich progress display on stderr (tuples produced, tuples/s); on a stderr that is no
+    terminal, a plain line every `LOG_EVERY_S`; or nothing."""
 
     def __init__(self, enabled: bool, total: int | None) -> None:
         self._progress: Any = None
+        self._lines_due: float | None = None
         if not enabled:
             return
         from rich.console import Console
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        if not Console(stderr=True).is_terminal:
+            self._lines_due = LOG_EVERY_S
+            return
 
         self._progress = Progress(
             SpinnerColumn(),
@@ -635,6 +646,14 @@ class _Progress:
         self._progress.start()
 
     def update(self, tuples: int, seconds: float) -> None:
+        if self._lines_due is not None and seconds >= self._lines_due:
+            self._lines_due += LOG_EVERY_S
+            rate = tuples / seconds if seconds > 0 else 0.0
+            print(
+                f"generator: {tuples:,} tuples in {seconds:.0f} s ({rate:,.0f} tuples/s)",
+                file=sys.stderr,
+                flush=True,
+            )
         if self._progress is not None:
             self._progress.update(self._task, completed=tuples, rate=tuples / seconds if seconds > 0 else 0.0)
 

@@ -252,9 +252,16 @@ def holds_nothing(owned: OwnedPids) -> bool:
     return not (owned.pids or owned.releasing or owned.old_tracks or owned.track_handoffs)
 
 
+UNANSWERED_DRAIN_S = 20.0
+"""A stopping instance whose assignment has not changed this long after the stop was asked is not being
+drained (no operator runs, or it is being deleted with the pipeline): it stops then, and resumes its pids
+from its checkpoint if it comes back. The operator answered within 2 s in the e2e's rolling updates."""
+
+
 class Drain:
     """When a stopping instance may stop: at once without a drain timeout, otherwise once its
-    assignment holds nothing (`holds_nothing`) or the timeout has passed since the stop was asked."""
+    assignment holds nothing (`holds_nothing`), the timeout has passed since the stop was asked, or no
+    new assignment came for `UNANSWERED_DRAIN_S`."""
 
     def __init__(
         self,
@@ -267,6 +274,8 @@ class Drain:
         self.name, self.timeout_s, self.assignment, self.health = name, timeout_s, assignment, health
         self.clock = clock
         self.deadline: float | None = None
+        self.asked_at = 0.0
+        self.epoch_asked = -1
 
     def may_stop(self, stopping: threading.Event) -> bool:
         if not stopping.is_set():
@@ -274,14 +283,18 @@ class Drain:
         if self.timeout_s <= 0:
             return True
         now = self.clock()
+        owned = read_assignment(self.assignment)
         if self.deadline is None:
-            self.deadline = now + self.timeout_s
+            self.deadline, self.asked_at, self.epoch_asked = now + self.timeout_s, now, owned.epoch
             self.health.enter(Phase.DRAINING)
-            print(
-                f"{self.name}: stopping; waiting up to {self.timeout_s:g} s for its pids to move", flush=True
-            )
-        if holds_nothing(read_assignment(self.assignment)):
+            print(f"{self.name}: stopping; waiting up to {self.timeout_s:g} s for its pids to move",
+                  flush=True)  # fmt: skip
+        if holds_nothing(owned):
             print(f"{self.name}: holds no pid any more; stopping", flush=True)
+            return True
+        if owned.epoch == self.epoch_asked and now - self.asked_at >= UNANSWERED_DRAIN_S:
+            print(f"{self.name}: nobody moves its pids (no new assignment in {UNANSWERED_DRAIN_S:g} s); "
+                  "stopping (it resumes them from its checkpoint on return)", flush=True)  # fmt: skip
             return True
         if now >= self.deadline:
             print(f"{self.name}: still holds pids after {self.timeout_s:g} s; stopping (it resumes them "
