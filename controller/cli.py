@@ -325,8 +325,10 @@ def move(
         float,
         typer.Option(help="Seconds to wait for completion; the request expires then (0: do not wait)."),
     ] = 120.0,
+    json_: JsonOpt = False,
 ) -> None:
-    """Ask the running controller to move pids to an instance, and wait until they are moved."""
+    """Ask the running controller to move pids to an instance, and wait until they are moved (--json: one
+    object, {"request", "pids", "to", "mode", "owners"}; owners null when not waited for)."""
     from controller.moves import request_moves, request_outcome
     from pipeline.control import ControlLog
     from pipeline.instance import parse_pids
@@ -341,15 +343,21 @@ def move(
         request = request_moves(cfg, address, wanted, to, _mode(mode), wait_s=wait)
     except (KafkaException, RuntimeError) as exc:
         fail(f"the move request did not reach Kafka at {address}: {_kafka_reason(exc)}", EXIT_UNREACHABLE)
-    print(f"requested {request.request_id}: pids {pids} -> {to} ({request.mode.value})")
+    asked = {"request": request.request_id, "pids": wanted, "to": to, "mode": request.mode.value}
+    if not json_:
+        print(f"requested {request.request_id}: pids {pids} -> {to} ({request.mode.value})")
     if wait <= 0:
+        if json_:
+            print(json.dumps(asked | {"owners": None}))
         return
     log = ControlLog(address, cfg.control_topic)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         owners = request_outcome(log.catch_up(), request)
         if owners is not None:  # the owners of record: the target may have died during a move
-            for p, owner in owners.items():
+            if json_:
+                print(json.dumps(asked | {"owners": {str(p): owner for p, owner in owners.items()}}))
+            for p, owner in owners.items() if not json_ else ():
                 print(f"done: pid {p} is processed by {owner}" + ("" if owner == to else f", not {to}"))
             return
         time.sleep(0.5)

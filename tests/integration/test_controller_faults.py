@@ -189,11 +189,12 @@ def test_a_second_controller_fences_the_first(kafka_bootstrap: str, topic_prefix
         second.close()
 
 
+@pytest.mark.parametrize("json_", [False, True], ids=["text", "json"])
 def test_fluxjoin_move_reports_the_owner_of_record_when_its_target_died(
-    kafka_bootstrap: str, topic_prefix: str
+    kafka_bootstrap: str, topic_prefix: str, json_: bool
 ) -> None:
     """The move's target b died after the source released the pid; the pid went to c. `fluxjoin move`
-    names c, the owner in the assignment, not b."""
+    names c, the owner in the assignment, not b (as text, or in its JSON object)."""
     cfg = _cfg(topic_prefix)
     ensure_topics(cfg, kafka_bootstrap)
     writer = Producer({"bootstrap.servers": kafka_bootstrap})
@@ -225,7 +226,11 @@ def test_fluxjoin_move_reports_the_owner_of_record_when_its_target_died(
     thread.start()
     sets = ["--set", f"pipeline={topic_prefix}", "--set", "streams=[A, B]", "--set", "partitions=4"]
     args = ["move", "--pids", "1", "--to", "b", "--mode", "replay", "--wait", "60", *sets]
-    result = CliRunner().invoke(app, [*args, "--bootstrap", kafka_bootstrap])
+    result = CliRunner().invoke(app, [*args, "--bootstrap", kafka_bootstrap, *(["--json"] if json_ else [])])
     thread.join(60)
     assert result.exit_code == 0, result.output
-    assert "pid 1 is processed by c" in result.output, result.output
+    if json_:
+        answer = json.loads(result.output)
+        assert (answer["pids"], answer["to"], answer["owners"]) == ([1], "b", {"1": "c"}), answer
+    else:
+        assert "pid 1 is processed by c" in result.output, result.output
