@@ -155,10 +155,9 @@ def _instance_pods_ready(kube: Kube, replicas: int) -> bool:
     return len(pods) == replicas and all(pod_ready(p) for p in pods)
 
 
-def _verify_job(kube: Kube, attempt: int) -> dict[str, Any]:
-    """`fluxjoin verify --json` in the cluster, with the generator's configuration (same topics)."""
-    name = f"oracle-{attempt}"
-    config_map = f"{PIPELINE}-generator"
+def _job(kube: Kube, name: str, container: dict[str, Any]) -> dict[str, Any]:
+    """Run `container` (the image, the generator's configuration mounted at /etc/fluxjoin) as a Job in the
+    cluster, as a non-root user; the last JSON line of its log."""
     manifest = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -171,20 +170,27 @@ def _verify_job(kube: Kube, attempt: int) -> dict[str, Any]:
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
                     "containers": [
                         {
-                            "name": "oracle",
+                            "name": name,
                             "image": f"{IMAGE}:{TAG}",
                             "imagePullPolicy": "Never",
-                            "args": ["verify", "--config", "/etc/fluxjoin/fluxjoin.yaml", "--json"],
                             "volumeMounts": [{"name": "config", "mountPath": "/etc/fluxjoin"}],
+                            **container,
                         }
                     ],
-                    "volumes": [{"name": "config", "configMap": {"name": config_map}}],
+                    "volumes": [{"name": "config", "configMap": {"name": f"{PIPELINE}-generator"}}],
                 }
             },
         },
     }
     _, log = run_job(kube, name, manifest, timeout_s=600)
     return last_json_line(log)
+
+
+def _verify_job(kube: Kube, attempt: int) -> dict[str, Any]:
+    """`fluxjoin verify --json` in the cluster, with the generator's configuration (same topics)."""
+    return _job(
+        kube, f"oracle-{attempt}", {"args": ["verify", "--config", "/etc/fluxjoin/fluxjoin.yaml", "--json"]}
+    )
 
 
 PAUSES = """
@@ -214,33 +220,7 @@ metrics topic."""
 
 
 def _pauses(kube: Kube, windows: dict[str, tuple[int, int]]) -> dict[str, Any]:
-    manifest = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": "pauses"},
-        "spec": {
-            "backoffLimit": 0,
-            "template": {
-                "spec": {
-                    "restartPolicy": "Never",
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
-                    "containers": [
-                        {
-                            "name": "pauses",
-                            "image": f"{IMAGE}:{TAG}",
-                            "imagePullPolicy": "Never",
-                            "command": ["python", "-c", PAUSES, json.dumps(windows)],
-                            "volumeMounts": [{"name": "config", "mountPath": "/etc/fluxjoin"}],
-                        }
-                    ],
-                    "volumes": [{"name": "config", "configMap": {"name": f"{PIPELINE}-generator"}}],
-                }
-            },
-        },
-    }
-    succeeded, log = run_job(kube, "pauses", manifest, timeout_s=300)
-    assert succeeded, log[-3000:]
-    return last_json_line(log)
+    return _job(kube, "pauses", {"command": ["python", "-c", PAUSES, json.dumps(windows)]})
 
 
 def _events(kube: Kube, reason: str) -> list[str]:
