@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline.codec import MalformedRecord, tuple_count
 from pipeline.config import Config
-from pipeline.kafka_client import kafka_config
+from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.topics import BOUNDED_READ, admin_client, partition_offsets
 
 TAIL_SPAN_S = 10.0
@@ -47,7 +47,7 @@ class InputTail:
         self._consumer = Consumer(
             {
                 **kafka_config(bootstrap),
-                "group.id": "fluxjoin-unused",
+                "group.id": CONSUMER_GROUP,
                 "enable.auto.commit": False,
                 "enable.partition.eof": True,
                 "isolation.level": "read_committed",

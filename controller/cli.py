@@ -357,7 +357,8 @@ def move(
         if owners is not None:  # the owners of record: the target may have died during a move
             if json_:
                 print(json.dumps(asked | {"owners": {str(p): owner for p, owner in owners.items()}}))
-            for p, owner in owners.items() if not json_ else ():
+                return
+            for p, owner in owners.items():
                 print(f"done: pid {p} is processed by {owner}" + ("" if owner == to else f", not {to}"))
             return
         time.sleep(0.5)

@@ -23,7 +23,7 @@ import numpy as np
 import yaml
 
 from pipeline.config import Config
-from pipeline.kafka_client import kafka_config
+from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 
 if TYPE_CHECKING:
     from pipeline.control import ControlLog
@@ -304,7 +304,7 @@ class MetricsFollower:
         self._consumer = Consumer(
             {
                 **kafka_config(bootstrap),
-                "group.id": "fluxjoin-unused",
+                "group.id": CONSUMER_GROUP,
                 "enable.auto.commit": False,
                 "isolation.level": "read_committed",
             }

@@ -31,7 +31,7 @@ from controller.policies.base import InstanceStats, Snapshot
 from controller.rounds import busy_fraction, described_by, shortest_empty_s, snapshot_of
 from pipeline.config import Config
 from pipeline.control import ControlLog, publish
-from pipeline.kafka_client import kafka_config
+from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
@@ -500,7 +500,7 @@ class Observer:
         self._consumer = Consumer(
             {
                 **kafka_config(bootstrap),
-                "group.id": "fluxjoin-unused",
+                "group.id": CONSUMER_GROUP,
                 "enable.auto.commit": False,
                 "isolation.level": "read_uncommitted",
             }

@@ -115,7 +115,7 @@ class PipelineSpec:
             )
         policy = spec.get("policy", {})
         policy_name = policy.get("name", "flux")
-        liveness = spec.get("liveness", {})
+        liveness, topics = spec.get("liveness", {}), kafka.get("topics", {})
         drain_timeout_s = (
             int(liveness.get("drainTimeoutSeconds", 120)) if liveness.get("plannedRestart") == "drain" else 0
         )
@@ -135,10 +135,10 @@ class PipelineSpec:
             bootstrap_servers=kafka["bootstrapServers"],
             kafka_security=kafka.get("security", {}),
             topics=TopicsConfig(
-                create=bool(kafka.get("topics", {}).get("create", True)),
-                replication_factor=int(kafka.get("topics", {}).get("replicationFactor", -1)),
-                min_insync_replicas=kafka.get("topics", {}).get("minInsyncReplicas"),
-                retention_ms=kafka.get("topics", {}).get("retentionMs"),
+                create=bool(topics.get("create", True)),
+                replication_factor=int(topics.get("replicationFactor", -1)),
+                min_insync_replicas=topics.get("minInsyncReplicas"),
+                retention_ms=topics.get("retentionMs"),
             ),
             # Topics and transactional ids derive from the prefix: namespaced, so that pipelines of one
             # name in two namespaces never share a topic or fence each other's transactions.

@@ -55,7 +55,7 @@ from pipeline.codec import (
     progress_of,
 )
 from pipeline.config import Config
-from pipeline.kafka_client import kafka_config
+from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.partitioning import pids_of, stable_hash
 from pipeline.topics import BOUNDED_READ, KAFKA_LOG, admin_client, ensure_topics, partition_offsets
 
@@ -504,7 +504,7 @@ def largest_ids(cfg: Config, bootstrap: str, timeout_s: float = 60.0) -> list[in
     consumer = Consumer(
         {
             **kafka_config(bootstrap),
-            "group.id": "fluxjoin-unused",  # nothing is committed
+            "group.id": CONSUMER_GROUP,  # nothing is committed
             "enable.auto.commit": False,
             "enable.partition.eof": True,
             "isolation.level": "read_committed",

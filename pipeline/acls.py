@@ -19,11 +19,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pipeline.config import Config
+from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AclBinding
-
-CONSUMER_GROUP = "fluxjoin-unused"
 
 
 def pipeline_acls(cfg: Config, principal: str) -> list[AclBinding]:
@@ -64,8 +63,6 @@ def create_acls(bootstrap: str, bindings: list[AclBinding], timeout_s: float = 3
     """Create `bindings` with this process's credentials (an administrator's); creating one that
     exists already is no error."""
     from confluent_kafka.admin import AdminClient
-
-    from pipeline.kafka_client import kafka_config
 
     admin = AdminClient(kafka_config(bootstrap))
     for future in admin.create_acls(bindings, request_timeout=timeout_s).values():

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config
-from pipeline.kafka_client import kafka_config
+from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.protocol import (
     AssignmentMsg,
     ControlView,
@@ -86,7 +86,7 @@ class ControlLog:
         self.topic = topic
         conf = {
             **kafka_config(bootstrap),
-            "group.id": "fluxjoin-unused",
+            "group.id": CONSUMER_GROUP,
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
             # A read at an offset whose record is deleted ends with an error rather than going on from

@@ -28,6 +28,10 @@ from typing import Any
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 ENV_PREFIX = "FLUXJOIN_KAFKA_"
+CONSUMER_GROUP = "fluxjoin-unused"
+"""The `group.id` every fluxjoin consumer names and none joins: offsets are never committed to Kafka
+(Spark's checkpoints own them). On a cluster with ACLs the pipeline's principal may read as it
+(`pipeline.acls`)."""
 
 
 class KafkaSecurityError(ValueError):

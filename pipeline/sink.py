@@ -49,7 +49,7 @@ from pipeline.codec import Malformation, decode_results
 from pipeline.config import Config
 from pipeline.control import StuckFetch, publish
 from pipeline.join import Part, WindowState, window_to_bytes
-from pipeline.kafka_client import kafka_config
+from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.operator import (
     KIND_LATE,
     KIND_MALFORMED,
@@ -207,7 +207,7 @@ class Evictions:
         self._consumer = Consumer(
             {
                 **kafka_config(bootstrap),
-                "group.id": "fluxjoin-unused",
+                "group.id": CONSUMER_GROUP,
                 "enable.auto.commit": False,
                 "isolation.level": "read_uncommitted",
                 "auto.offset.reset": "earliest",

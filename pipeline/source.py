@@ -33,7 +33,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPart
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
 from pipeline.join import PROGRESS_ID
-from pipeline.kafka_client import kafka_config
+from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.protocol import (
     AssignmentMsg,
     Handoff,
@@ -789,7 +789,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             self._consumer = Consumer(
                 {
                     **kafka_config(self.bootstrap),
-                    "group.id": "fluxjoin-unused",
+                    "group.id": CONSUMER_GROUP,
                     "isolation.level": "read_committed",  # what the ranges read
                     "enable.partition.eof": True,  # a transaction marker at the end: an answer, not a wait
                     "auto.offset.reset": "error",  # below the log start: an answer, not the end's record
@@ -1084,7 +1084,7 @@ def read_snapshot(bootstrap: str, snapshot: Snapshot) -> bytes:
     consumer = Consumer(
         {
             **kafka_config(bootstrap),
-            "group.id": "fluxjoin-unused",
+            "group.id": CONSUMER_GROUP,
             "isolation.level": "read_committed",
             "auto.offset.reset": "error",
         }
@@ -1153,7 +1153,7 @@ def _range_consumer(bootstrap: str) -> Any:
         consumer = Consumer(
             {
                 **kafka_config(bootstrap),
-                "group.id": "fluxjoin-unused",  # offsets are never committed to Kafka; Spark owns them
+                "group.id": CONSUMER_GROUP,  # offsets are never committed to Kafka; Spark owns them
                 "enable.auto.commit": False,
                 "enable.partition.eof": True,
                 "isolation.level": "read_committed",

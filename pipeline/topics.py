@@ -25,7 +25,7 @@ from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from pipeline.config import Config
-from pipeline.kafka_client import kafka_config
+from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 
 # Seconds to wait for the broker to answer.
 DEFAULT_TIMEOUT_S = 10.0
@@ -328,7 +328,7 @@ def read_records(
     consumer = Consumer(
         {
             **kafka_config(bootstrap),
-            "group.id": "fluxjoin-unused",
+            "group.id": CONSUMER_GROUP,
             "enable.auto.commit": False,
             "enable.partition.eof": True,
             "isolation.level": "read_committed",
