@@ -20,13 +20,16 @@ ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_DEFAULT_TIMEOUT=180
 RUN python3 -m venv /opt/fluxjoin
 # Dependencies first, so a code change does not rebuild the PySpark wheel.
 COPY pyproject.toml /src/pyproject.toml
-RUN cd /src && mkdir pipeline generator controller && touch README.md \
+RUN cd /src && mkdir pipeline generator controller bench local fluxjoin && touch README.md \
     && /opt/fluxjoin/bin/pip install --no-cache-dir . \
     && /opt/fluxjoin/bin/pip uninstall -y fluxjoin
 COPY README.md /src/README.md
 COPY pipeline /src/pipeline
 COPY generator /src/generator
 COPY controller /src/controller
+COPY bench /src/bench
+COPY local /src/local
+COPY fluxjoin /src/fluxjoin
 RUN /opt/fluxjoin/bin/pip install --no-cache-dir --no-deps /src \
     && /opt/fluxjoin/bin/python -m pip uninstall -y pip
 

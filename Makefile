@@ -2,7 +2,7 @@
 #
 #   make setup   .venv with the package (editable) and the dev tools; re-installs only when pyproject.toml
 #                changed since the last install
-#   make lint    ruff check, ruff format --check, mypy
+#   make lint    ruff check, ruff format --check, mypy, lint-imports (the layers in pyproject.toml)
 #   make test    setup, Docker for the broker container (scripts/ensure-docker.sh), the Kubernetes test
 #                tools (scripts/ensure-k8s-tools.sh), lint, all tests
 #   make demo    the local demo: embedded Kafka, generator, instances, live view, report
@@ -41,6 +41,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-logo --no-cache
 
 test: setup
 	scripts/ensure-docker.sh

@@ -1,2 +1,1 @@
-"""fluxjoin control plane and runtimes: CLI, local supervisor (embedded Kafka, demo), benchmarks,
-policies and the Kubernetes operator."""
+"""fluxjoin control plane: policies, pid moves, the controller's rounds and the Kubernetes operator."""

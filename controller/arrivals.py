@@ -1,10 +1,11 @@
-"""Each pid's arrival rate now, read from the tail of the input topics (decision 0024).
+"""Each pid's arrival rate now, read from the tail of the input topics (docs/load-model.md, "Arrival rates").
 
-The rates the controller measures from the instances' batch records (`controller.rounds.arrival_rates`)
-describe what an instance has read, and an instance that is behind reads input that arrived half a
-minute ago: when a hot set moves, a loaded owner goes on reporting the pids that were hot, and a round
-moves pids that have just gone cold. The input's last `TAIL_SPAN_S` seconds tell each pid's arrivals
-now, whoever owns it and however far behind that owner is.
+The rates the controller measures from the instances' batch records
+(`controller.observation.rates.arrival_rates`) describe what an instance has read, and an instance that
+is behind reads input that arrived half a minute ago: when a hot set moves, a loaded owner goes on
+reporting the pids that were hot, and a round moves pids that have just gone cold. The input's last
+`TAIL_SPAN_S` seconds tell each pid's arrivals now, whoever owns it and however far behind that owner
+is.
 
 Only for input that arrives in real time: a message's timestamp is the event time of its first tuple,
 which only a real-time producer keeps near the clock. A pre-loaded or max-rate input has nothing in the
@@ -23,8 +24,8 @@ from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.topics import BOUNDED_READ, admin_client, partition_offsets
 
 TAIL_SPAN_S = 10.0
-"""The span of input a rate covers: as `controller.rounds.RATE_SPAN_S`, enough for a cold pid's count
-not to be noise."""
+"""The span of input a rate covers: as `controller.observation.rates.RATE_SPAN_S`, enough for a cold
+pid's count not to be noise."""
 CLOCK_SLACK_S = 5.0
 """Event times up to this far ahead of the controller's clock still count as real time (clock skew)."""
 READ_TIMEOUT_S = 10.0

@@ -5,20 +5,23 @@ per instance, tuples and state per pid). Decide: the configured policy, a pure f
 scheduled by `controller.rounds.PolicyRounds` (as in the Kubernetes operator). Execute: the
 `KafkaPidMover` turns the decision's moves into protocol steps, and every tick it also advances the moves
 in flight, serves `fluxjoin move` requests and recovers dead instances. `--dry-run` prints decisions
-without executing them.
+without executing them; `--decisions PATH` also appends each round's decision to PATH as a JSON line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
 from controller.assignment import Assignment, initial_assignment
-from controller.moves import KafkaPidMover
+from controller.moves.kafka_mover import KafkaPidMover
+from controller.policies import Decision
 from controller.rounds import PolicyRounds
 from pipeline.config import Config
 from pipeline.topics import BrokerUnreachable, broker_away
@@ -37,10 +40,12 @@ def run_controller(
     dry_run: bool = False,
     stop: Callable[[], bool] = lambda: False,
     say: Callable[[str], None] = print,
+    decisions: Path | None = None,
 ) -> None:
     """Run until `stop()`; publishes epoch 0 over `cfg.instances` instances if the log has none.
 
-    `params` are the policy's (`controller.rounds.policy_params`), handoff mode included.
+    `params` are the policy's (`controller.policies.params.policy_params`), handoff mode included. With
+    `decisions`, each round's decision is also appended to that file (`append_decision`).
     """
     initial = initial_assignment(cfg.partitions, instance_names(cfg.instances))
     mover = KafkaPidMover(cfg, bootstrap, heartbeat_timeout_s, say=say)
@@ -72,9 +77,26 @@ def run_controller(
                 if not decision.moves and decision.reason != last_reason:
                     say(f"policy {policy_name}: no move ({decision.reason})")
                 last_reason = decision.reason
+                if decisions is not None:
+                    append_decision(decisions, policy_name, decision)
             mover.await_news()
     finally:
         _close_quietly(mover)
+
+
+def append_decision(path: Path, policy_name: str, decision: Decision) -> None:
+    """Append a round's decision to `path` as one JSON line: {"time": unix seconds, "policy", "moves":
+    [[pid, source, target], ...], "reason", "balanced"}, for programs that follow the rounds."""
+    moves = [[move.pid, move.source, move.target] for move in decision.moves]
+    record = {
+        "time": time.time(),
+        "policy": policy_name,
+        "moves": moves,
+        "reason": decision.reason,
+        "balanced": decision.balanced,
+    }
+    with path.open("a") as out:
+        out.write(json.dumps(record) + "\n")
 
 
 def _reason(exc: BaseException) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from controller.moves import Observer
-from controller.rounds import busy_fraction, described_by
+from controller.observation.estimates import busy_fraction, described_by
+from controller.observation.observer import Observer
 from pipeline.config import Config
 from pipeline.control import ControlLog
 

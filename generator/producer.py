@@ -603,10 +603,21 @@ class _Sender:
         self.messages += 1
         self.bytes += len(value)
 
-    def finish(self, timeout_s: float = 120.0) -> None:
-        remaining = self.producer.flush(timeout_s)
-        if remaining:
-            raise DeliveryError(f"{remaining} messages still unacknowledged after {timeout_s:g} s")
+    def finish(self, stop: threading.Event) -> None:
+        """Wait until the broker has acknowledged every message. A broker away is waited out however
+        long it is away, as `delivery.timeout.ms` 0 says (a fixed limit of 120 s here ended the
+        generator during a longer outage), saying on stderr every `LOG_EVERY_S` how many still wait;
+        `stop` ends the wait."""
+        waited_s = 0.0
+        while remaining := self.producer.flush(LOG_EVERY_S):
+            waited_s += LOG_EVERY_S
+            if stop.is_set():
+                raise DeliveryError(f"stopped with {remaining} messages unacknowledged by the broker")
+            print(
+                f"generator: {remaining:,} messages wait for the broker ({waited_s:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.failed:
             raise DeliveryError(
                 f"{self.failed} of {self.messages} messages failed delivery; first error: {self.first_error}"
@@ -731,7 +742,7 @@ def run_generator(
                 chunk = min(MAX_CHUNK_S, CHUNK_TUPLES / rate) if rate > 0 else MAX_CHUNK_S
                 emit(source.take(t0 + chunk))
         send(held.release(math.inf))
-        sender.finish()
+        sender.finish(stop)
     finally:
         display.close()
     seconds = time.monotonic() - started

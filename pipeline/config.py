@@ -113,7 +113,8 @@ class HotPidsKeys(_Strict):
     The first `even_s` seconds spread tuples evenly over the pids; the first hot set begins then. A
     benchmark uses it to warm the join up before the skew: an instance's first batches with input
     cost several times a later batch per tuple (compiling the join), and a policy deciding from them
-    would be judged on a cold start, not on following a hot set (decision 0020)."""
+    would be judged on a cold start, not on following a hot set (docs/load-model.md, "Rounds and move
+    phases")."""
 
     kind: Literal["hot_pids"] = "hot_pids"
     count: int = Field(100_000, ge=1)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config
+from pipeline.instance_files import owned_pids, read_assignment, write_assignment
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.protocol import (
     AssignmentMsg,
@@ -32,7 +33,6 @@ from pipeline.protocol import (
     decode,
     encode,
 )
-from pipeline.source import owned_pids, read_assignment, write_assignment
 from pipeline.topics import broker_away, watermark_offsets
 
 STUCK_S = 5.0
@@ -296,6 +296,13 @@ class InstanceFollower:
         if fields != self._progress:
             self._progressed_at = time.monotonic()
         self._progress = fields
+
+    def waited_on_broker(self) -> None:
+        """The query waits on a broker that is away (its batch in flight or the control log's read):
+        that is no stall, and its heartbeats' `stalled_ms` counts from the broker's return. Counted
+        through an outage, a stop as long as the controller's progress timeout had this instance
+        declared dead as soon as its first heartbeat after the outage arrived (decision 0052)."""
+        self._progressed_at = time.monotonic()
 
     def newest(self) -> AssignmentMsg | None:
         return self.log.catch_up().assignment

@@ -48,9 +48,9 @@ DEFAULT_METRICS_PORT = 9108
 
 STALL_TIMEOUT_S = 180.0
 """How long a query may make no progress (or take to start) before /healthz fails. Longer than the
-controller's progress timeout (`controller.moves.PROGRESS_TIMEOUT_S`, 120 s), so that the controller has
-moved a stuck instance's pids elsewhere before the kubelet restarts it, and far longer than any batch:
-one through a backlog takes tens of seconds."""
+controller's progress timeout (`controller.observation.liveness.PROGRESS_TIMEOUT_S`, 120 s), so that
+the controller has moved a stuck instance's pids elsewhere before the kubelet restarts it, and far
+longer than any batch: one through a backlog takes tens of seconds."""
 
 BATCH_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -126,9 +126,11 @@ class InstanceHealth:
     def broker(self, away: str) -> None:
         """Why the instance cannot reach Kafka now ("" while it can): its batch in flight or its read of
         the control log met a broker that is away. Neither probe fails for it: the instance waits the
-        outage out (decision 0052)."""
+        outage out (decision 0052), and the stall timeout counts from the broker's return."""
         with self._lock:
             self._broker_away = away
+            if away:
+                self._progressed_at = self._clock()
 
     @property
     def waiting_for_broker(self) -> bool:
@@ -171,7 +173,7 @@ def latency_buckets(sample: Sequence[float], results: int, bounds: Sequence[floa
 
     The sink writes an evenly spaced sample of a batch's sorted latencies (at most 200 values), not every
     latency; each sample value stands for `results / len(sample)` results, as in
-    `controller.local.weighted_percentiles`. Counts are whole results, and the last bucket (+Inf) holds
+    `local.processes.weighted_percentiles`. Counts are whole results, and the last bucket (+Inf) holds
     them all.
     """
     if not sample or results <= 0:
@@ -361,7 +363,7 @@ def _owned(assignment: Path | None) -> tuple[int, frozenset[int]] | None:
     """(epoch, pids) of the assignment file, None before there is one (or while it cannot be read)."""
     if assignment is None:
         return None
-    from pipeline.source import read_assignment
+    from pipeline.instance_files import read_assignment
 
     try:
         owned = read_assignment(assignment)

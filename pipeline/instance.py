@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.config import Config
 from pipeline.health import STALL_TIMEOUT_S, InstanceHealth, InstanceMetrics, Phase, serve
-from pipeline.source import OwnedPids, read_assignment, write_assignment
+from pipeline.instance_files import OwnedPids, read_assignment, write_assignment
 
 if TYPE_CHECKING:
     from pipeline.sink import ExactlyOnceSink
@@ -408,7 +408,10 @@ def _run(
                 progress.observe(int(time.time() * 1000), sink.completed, query.status["isTriggerActive"])
                 follower.progress = progress.fields()
                 health.observe(progress.progress_ms, progress.batch, follower.serving)
-                health.broker(sink.broker_away or follower.broker_away)
+                away = sink.broker_away or follower.broker_away
+                health.broker(away)
+                if away:
+                    follower.waited_on_broker()
                 time.sleep(0.5) if stopping.is_set() else stopping.wait(0.5)
                 now_less_monotonic = time.time() - time.monotonic()
                 stepped_back_s = wall_less_monotonic - now_less_monotonic

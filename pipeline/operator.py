@@ -60,7 +60,7 @@ from pipeline.join import (
     window_from_bytes,
     window_to_bytes,
 )
-from pipeline.source import (
+from pipeline.rows import (
     DROP_ROW,
     MALFORMED_STREAM,
     RELEASE_ROW,

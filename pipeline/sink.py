@@ -48,6 +48,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from pipeline.codec import Malformation, decode_results
 from pipeline.config import Config
 from pipeline.control import StuckFetch, publish
+from pipeline.instance_files import write_recent_yields, write_watermarks
 from pipeline.join import Part, WindowState, window_to_bytes
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.operator import (
@@ -73,7 +74,7 @@ from pipeline.protocol import (
     eviction_entries,
     handoff_from_json,
 )
-from pipeline.source import TRACK_OLD, write_recent_yields, write_watermarks
+from pipeline.rows import TRACK_OLD
 from pipeline.topics import BOUNDED_READ, broker_away, partition_offsets, read_topic
 
 LATE_REASON = "late: event time below its input partition's newest before it minus the allowed lateness"
@@ -190,7 +191,7 @@ key in the log, at most every HOT_WARNING_EVERY_S."""
 HOT_WARNING_EVERY_S = 30.0
 RECENT_BATCHES = 8
 """The source bounds a pid's input in a batch by this many of its recent batches' tuples and results
-(`pipeline.source.results_of`)."""
+(`pipeline.batch_sizing.results_of`)."""
 
 
 class Evictions:
@@ -353,7 +354,7 @@ class ExactlyOnceSink:
 
     def _note_yields(self, offsets: dict[str, Any], metrics: dict[str, Any]) -> None:
         """Note each pid's tuples and results, for the source to bound the next batches by
-        (`pipeline.source.pids_within`); pids no longer kept are forgotten."""
+        (`pipeline.batch_sizing.pids_within`); pids no longer kept are forgotten."""
         kept = offsets["offsets"].get(self.streams[0], {})
         fed = {int(p): s for p, s in metrics["pids"].items() if s["in"]}
         for p, stats in fed.items():
@@ -365,7 +366,8 @@ class ExactlyOnceSink:
 
     def _warn_hot(self, metrics: dict[str, Any]) -> None:
         """Name the pid and key behind a batch that made a large share of the results bound: later
-        batches take fewer tuples (`pipeline.source.tuples_within`), and the operator should know why."""
+        batches take fewer tuples (`pipeline.batch_sizing.tuples_within`), and the operator should know
+        why."""
         bound = self.cfg.instance.max_results_per_batch
         now = time.monotonic()
         if metrics["results"] < HOT_SHARE * bound or now - self._warned_at < HOT_WARNING_EVERY_S:
@@ -485,8 +487,9 @@ class ExactlyOnceSink:
         self, offsets: dict[str, Any], columns: dict[str, np.ndarray], kind: np.ndarray
     ) -> None:
         """Note each kept pid's window `stream_max` and the offsets its input reaches after this batch, for
-        the source to announce a parallel track at its plan (`pipeline.source.stream_max_at`). A pid the
-        operator was not called for kept its window, and its `stream_max`, whatever its offsets did."""
+        the source to announce a parallel track at its plan (`pipeline.instance_files.stream_max_at`). A
+        pid the operator was not called for kept its window, and its `stream_max`, whatever its offsets
+        did."""
         rows = kind == KIND_WATERMARK
         maxima = _stream_max_columns(columns, rows, len(self.streams))
         self._watermarks.update(zip(columns["pid"][rows].tolist(), maxima, strict=True))

@@ -9,293 +9,61 @@ the query runs, and Spark's offset log makes a restarted query replay exactly th
 A pid that joins the set enters the offset map at its start offset and is read from the next batch on;
 a pid that leaves is dropped from the map and never read again.
 
-Rows: (pid, stream, id, key, ts). A record that does not decode becomes one row with stream = -1,
-id = its Kafka offset, key = the stream index, ts = the `Malformation` code, so it reaches the
-dead-letter topic through the same exactly-once sink instead of failing the query or vanishing.
+The rows it yields and their codes are in `pipeline/rows.py`, the reading of a batch's ranges in
+`pipeline/kafka_reader.py`, the sizing of a batch in `pipeline/batch_sizing.py`, and the assignment
+file's format in `pipeline/instance_files.py`.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import IntEnum
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
+from pipeline.batch_sizing import RESULTS_HEADROOM, ArrivalMeter, BatchBound, Offsets, pids_within
+from pipeline.instance_files import (
+    OwnedPids,
+    move_steps,
+    read_assignment,
+    read_recent_yields,
+    read_watermarks,
+    stream_max_at,
+)
 from pipeline.join import PROGRESS_ID
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
-from pipeline.protocol import (
-    AssignmentMsg,
-    Handoff,
-    Mode,
-    MoveSpec,
-    ReleasedMsg,
-    Snapshot,
-    handoff_from_json,
-    handoff_to_json,
-    move_from_json,
-    move_to_json,
+from pipeline.kafka_reader import (
+    HandoffWork,
+    PidRange,
+    RangeKind,
+    drop_consumer,
+    handoff_rows,
+    read_ranges,
+)
+from pipeline.protocol import Mode, ReleasedMsg, handoff_from_json, handoff_to_json
+from pipeline.rows import (
+    DROP_ROW,
+    SOURCE_SCHEMA,
+    TRACK_NEW,
+    TRACK_OLD,
+    TRACK_ROW,
+    WATERMARK_ROW,
+    WINDOW_ROW,
 )
 
 SOURCE_NAME = "fluxjoin"
-SOURCE_SCHEMA = "pid int, stream byte, id long, key long, ts long"
-_ARROW_SCHEMA = pa.schema(
-    [("pid", pa.int32()), ("stream", pa.int8()), ("id", pa.int64()), ("key", pa.int64()), ("ts", pa.int64())]
-)
-# Values of the `stream` column besides 0..m-1 (data rows):
-MALFORMED_STREAM = -1  # id = Kafka offset, key = stream index, ts = Malformation code
-RELEASE_ROW = -2  # the pid leaves this instance; key = 1 to export its window
-WATERMARK_ROW = -3  # id = stream index j, ts = stream_max[j] of an installed snapshot or a resumed track
-# TRACK_ROW: a parallel track begins; key = TRACK_OLD (sender) or TRACK_NEW (receiver: one row per stream,
-# id = j, ts = the sender's stream_max[j])
-TRACK_ROW = -4
-TRACK_OLD, TRACK_NEW = 1, 2
-DROP_ROW = -5  # the window this instance still holds for the pid is stale: dropped before anything else
-WINDOW_ROW = 16  # WINDOW_ROW + j: a window tuple of stream j to install, not to join
-SILENT_ROW = 32  # SILENT_ROW + j: a tuple of stream j a dead instance processed: processed again, silently
-_READ_TIMEOUT_S = 60.0
 SAMPLE_EVERY_S = 30.0
 # An instance is behind when more input waits than arrives in this many trigger intervals (and at least
 # MIN_BEHIND_S seconds' worth, for triggers of a fraction of a second).
 BEHIND_TRIGGERS = 2
 MIN_BEHIND_S = 2.0
-
-
-# --- the assignment file: written by the instance's control follower, read at batch boundaries ---
-
-
-@dataclass(frozen=True, slots=True)
-class OwnedPids:
-    """This instance's part of one assignment epoch."""
-
-    epoch: int
-    pids: frozenset[int]
-    # Pids being taken over: where to continue and how to get the window. A pid new to this instance
-    # without a handoff starts at the earliest offsets with an empty window (a fresh pipeline; refused
-    # where the instance processed it before, `FluxjoinStreamReader._check_unprocessed`).
-    handoffs: Mapping[int, Handoff] = field(default_factory=dict)
-    # Pids in transit from this instance: released at the next batch boundary (parallel_track: the
-    # overlap begins there instead).
-    releasing: Mapping[int, MoveSpec] = field(default_factory=dict)
-    # Parallel-track overlaps: pids whose old tuples this instance still holds (it keeps reading them),
-    # and owned pids whose old tuples another instance still holds.
-    old_tracks: Mapping[int, str] = field(default_factory=dict)  # pid -> the track's move id
-    new_tracks: Mapping[int, str] = field(default_factory=dict)
-    # Old tracks this instance takes over from a holder that died: where to resume, how to rebuild.
-    track_handoffs: Mapping[int, Handoff] = field(default_factory=dict)
-
-
-def owned_pids(msg: AssignmentMsg, instance: str) -> OwnedPids:
-    pids = msg.pids_of(instance)
-    return OwnedPids(
-        epoch=msg.epoch,
-        pids=pids,
-        handoffs={p: h for p, h in msg.handoffs.items() if p in pids},
-        releasing={p: m for p, m in msg.moving.items() if m.source == instance},
-        old_tracks={p: m.move_id for p, m in msg.tracks.items() if m.source == instance},
-        new_tracks={p: m.move_id for p, m in msg.tracks.items() if m.target == instance},
-        track_handoffs={
-            p: h
-            for p, h in msg.track_handoffs.items()
-            if p in msg.tracks and msg.tracks[p].source == instance
-        },
-    )
-
-
-def move_steps(owned: OwnedPids) -> frozenset[tuple[str, int, str]]:
-    """What an assignment asks of the instance, step by step: each pid to own, to release and to take
-    over (by move); a paced source plans a batch at once for a step it has not planned yet."""
-    return frozenset(
-        [("own", p, "") for p in owned.pids]
-        + [("release", p, m.move_id) for p, m in owned.releasing.items()]
-        + [("take", p, h.move_id) for p, h in owned.handoffs.items()]
-        + [("resume", p, h.move_id) for p, h in owned.track_handoffs.items()]
-    )
-
-
-def write_assignment(path: Path, owned: OwnedPids) -> None:
-    """Atomically replace the assignment file (readers never see a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    body = {
-        "epoch": owned.epoch,
-        "pids": sorted(owned.pids),
-        "handoffs": {str(p): handoff_to_json(h) for p, h in sorted(owned.handoffs.items())},
-        "releasing": {str(p): move_to_json(m) for p, m in sorted(owned.releasing.items())},
-        "old_tracks": {str(p): m for p, m in sorted(owned.old_tracks.items())},
-        "new_tracks": {str(p): m for p, m in sorted(owned.new_tracks.items())},
-        "track_handoffs": {str(p): handoff_to_json(h) for p, h in sorted(owned.track_handoffs.items())},
-    }
-    tmp.write_text(json.dumps(body))
-    os.replace(tmp, path)
-
-
-def read_assignment(path: Path) -> OwnedPids:
-    body = json.loads(path.read_text())
-    return OwnedPids(
-        epoch=int(body["epoch"]),
-        pids=frozenset(int(p) for p in body["pids"]),
-        handoffs={int(p): handoff_from_json(h) for p, h in body["handoffs"].items()},
-        releasing={int(p): move_from_json(m) for p, m in body["releasing"].items()},
-        old_tracks={int(p): m for p, m in body["old_tracks"].items()},
-        new_tracks={int(p): m for p, m in body["new_tracks"].items()},
-        track_handoffs={int(p): handoff_from_json(h) for p, h in body["track_handoffs"].items()},
-    )
-
-
-# --- files the sink writes after every batch and the source reads when it plans one ---
-
-
-def _replace_json(path: Path, value: Any) -> None:
-    """Atomically replace `path` with `value` as JSON: the source never reads a half-written file."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> Any:
-    """What `_replace_json` wrote at `path`; None when nothing has been written yet."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-
-
-def write_watermarks(path: Path, noted: Mapping[str, Mapping[str, Any]]) -> None:
-    """The file of each kept pid's window `stream_max` and the offsets it has read up to:
-    `{pid: {"stream_max": [t_0, ...], "offsets": {stream: next}}}`."""
-    _replace_json(path, noted)
-
-
-def read_watermarks(path: Path) -> dict[str, Any]:
-    """The file `write_watermarks` wrote; empty when there is none yet."""
-    return dict(_read_json(path) or {})
-
-
-RESULTS_HEADROOM = 3.0
-"""Batches are planned at a third of `max_results`: while a pid's window fills (its first batches, or
-after a move), each new tuple finds more partners than the last batch's did. With two streams a batch
-that starts from an empty window makes up to three times as many results per tuple once the window
-holds as many tuples as the batch (twice from the window, once from each other); measured: 3.1x."""
-
-Yields = dict[int, list[tuple[int, int]]]
-"""Per pid, recent batches' (tuples in, results out), newest last."""
-
-
-def write_recent_yields(path: Path, yields: Mapping[int, Sequence[tuple[int, int]]]) -> None:
-    """The file of each pid's recent batches' tuples and results (the sink notes them)."""
-    _replace_json(path, {str(p): [list(r) for r in recent] for p, recent in yields.items()})
-
-
-def read_recent_yields(path: Path) -> Yields:
-    """What `write_recent_yields` wrote; empty before any batch with input."""
-    noted = _read_json(path)
-    if not isinstance(noted, dict):
-        return {}
-    return {int(p): [(int(t), int(r)) for t, r in recent] for p, recent in noted.items()}
-
-
-def results_of(tuples: float, recent: Sequence[tuple[int, int]], streams: int) -> float:
-    """About the most results `tuples` new tuples of one pid make, judged by its recent batches
-    (decision 0055). A pid never seen: the worst case, every tuple on one key within W, (n/m)^m."""
-    if not recent:
-        return float((tuples / streams) ** streams)
-    return max((_judged_by(tuples, t, r, streams) for t, r in recent if t), default=0.0)
-
-
-def _judged_by(n: float, t: int, r: int, streams: int) -> float:
-    """The results of n tuples, judged by a batch of t tuples that made r: (r+1)/t per tuple (+1: a
-    batch without results does not make the next one free) up to t tuples. Beyond t, a batch's tuples
-    also join each other, so the lesser of two bounds that each hold: results per tuple growing as
-    (n/t)^(m-1), as they do while the batch spans less than W (right where results came from within
-    the batch), or the same per tuple plus the worst the batch can make within itself, (n/m)^m (right
-    where they came from the window: a hot key's full window)."""
-    per_tuple = (r + 1) / t
-    if n <= t:
-        return per_tuple * n
-    return min(per_tuple * n * (n / t) ** (streams - 1), per_tuple * n + (n / streams) ** streams)
-
-
-def tuples_within(results: float, recent: Sequence[tuple[int, int]], streams: int) -> float:
-    """The most new tuples of one pid whose `results_of` stays within `results` (found by bisection:
-    `results_of` grows with the tuples)."""
-    if results <= 0:
-        return 0.0
-    low, high = 0.0, 1.0
-    while results_of(high, recent, streams) <= results and high < 1e15:
-        low, high = high, 2 * high
-    for _ in range(60):
-        middle = (low + high) / 2
-        low, high = (middle, high) if results_of(middle, recent, streams) <= results else (low, middle)
-    return low
-
-
-@dataclass(frozen=True, slots=True)
-class BatchBound:
-    """What bounds a batch: `messages` input messages, about `results` results (`results_of` per pid,
-    from `yields`), `per_message` tuples a message (sampled), `streams` joined."""
-
-    messages: float
-    results: float
-    per_message: float
-    streams: int
-    yields: Mapping[int, Sequence[tuple[int, int]]]
-
-
-def stream_max_at(noted: Mapping[str, Any], pid: int, cutoff: Mapping[str, int]) -> tuple[int, ...] | None:
-    """Pid's window `stream_max` where its input reaches `cutoff`, if the file noted it there (else None:
-    the window at the cutoff is not known before the batch runs)."""
-    entry = noted.get(str(pid))
-    if entry is None or entry["offsets"] != dict(cutoff):
-        return None
-    return tuple(int(t) for t in entry["stream_max"])
-
-
-# --- offsets ---
-
-Offsets = dict[str, dict[str, int]]  # stream -> str(pid) -> next offset to read
-
-
-class RangeKind(IntEnum):
-    """What a range's rows are, as the base of their `stream` code: new input, joined; input re-read to
-    rebuild a taken-over pid's window (replay), installed, never joined or dead-lettered; input a dead
-    instance processed before the cutoff (`Handoff.since`), processed again silently."""
-
-    INPUT = 0
-    WINDOW = WINDOW_ROW
-    SILENT = SILENT_ROW
-
-
-@dataclass(frozen=True, slots=True)
-class PidRange:
-    """One pid's slice of one stream for a batch: Kafka offsets [start, end)."""
-
-    stream_index: int
-    topic: str
-    pid: int
-    start: int
-    end: int
-    kind: RangeKind = RangeKind.INPUT
-
-
-@dataclass(frozen=True, slots=True)
-class HandoffWork:
-    """The non-data part of a batch: pids to release (and whether to export their window) and windows
-    to install from snapshots."""
-
-    releases: tuple[tuple[int, bool], ...] = ()
-    snapshots: tuple[tuple[int, Snapshot], ...] = ()
-    markers: tuple[tuple[int, int, int, int, int], ...] = ()  # (pid, stream code, id, key, ts): track rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,88 +101,6 @@ def plan_partitions(ranges: Sequence[PidRange], max_tasks: int) -> list[list[Pid
         tasks[i].append(r)
         loads[i] += r.end - r.start
     return tasks
-
-
-def pids_within(
-    start: Offsets, latest: Offsets, bound: BatchBound, first_pid: int
-) -> tuple[Offsets, int | None]:
-    """End offsets of a batch within `bound`, taking whole pids (every stream of a pid up to its latest
-    offset) round robin from `first_pid`; returns them and the pid to start from next time (None when
-    every pid was taken whole). A first pid that alone is over the bound is cut: each of its streams
-    the same share of its backlog (at least one message in all); the next batch begins with the pid
-    after it, so a hot pid's backlog takes one slice a round and never holds the others back.
-
-    Whole pids keep a pid's streams close in event time: cutting each stream's backlog separately lets
-    a sparse stream run seconds ahead of a dense one, and the window then holds the sparse stream's
-    tuples until the dense one catches up (lateness does not depend on it, decision 0047). Results do
-    not depend on where a batch ends, so a cut pid's output is the same.
-    """
-    streams = list(latest)
-    pids = sorted(int(p) for p in latest[streams[0]])
-    if not pids:
-        return latest, None
-    order = [p for p in pids if p >= first_pid] + [p for p in pids if p < first_pid]
-    out: Offsets = {
-        s: {str(p): start.get(s, {}).get(str(p), latest[s][str(p)]) for p in pids} for s in streams
-    }
-    messages, results, taken = bound.messages, bound.results, False
-    for i, p in enumerate(order):
-        backlog = {s: latest[s][str(p)] - out[s][str(p)] for s in streams}
-        size = sum(backlog.values())
-        if not size:
-            continue
-        recent = bound.yields.get(p, ())
-        fits = min(messages, tuples_within(results, recent, bound.streams) / bound.per_message)
-        if size <= fits:
-            for s in streams:
-                out[s][str(p)] = latest[s][str(p)]
-            messages -= size
-            results -= results_of(size * bound.per_message, recent, bound.streams)
-            taken = True
-            continue
-        if taken:  # this pid waits for the next batch
-            return out, p
-        for s, n in _shares(backlog, max(1, int(fits))).items():
-            out[s][str(p)] += n
-        return out, order[(i + 1) % len(order)]
-    return out, None
-
-
-def _shares(backlog: Mapping[str, int], total: int) -> dict[str, int]:
-    """`total` messages spread over the streams in proportion to their backlogs (largest remainders
-    first): a slice of a few messages would lose most of itself to rounding each stream down."""
-    size = sum(backlog.values())
-    exact = {s: n * total / size for s, n in backlog.items()}
-    out = {s: int(x) for s, x in exact.items()}
-    for s in sorted(exact, key=lambda s: exact[s] - out[s], reverse=True)[: total - sum(out.values())]:
-        out[s] += 1
-    return out
-
-
-@dataclass(slots=True)
-class ArrivalMeter:
-    """Messages appended to an instance's pids per second, measured between two batch plans (the
-    latest offsets the source fetches anyway)."""
-
-    seen_at: float | None = None
-    seen: dict[tuple[str, str], int] = field(default_factory=dict)
-    rate: float | None = None  # messages per second; None until two plans have been seen
-
-    def observe(self, latest: Offsets, now: float) -> None:
-        common = [(s, p) for s in latest for p in latest[s] if (s, p) in self.seen]
-        if self.seen_at is not None and now > self.seen_at and common:
-            grown = sum(latest[s][p] - self.seen[(s, p)] for s, p in common)
-            self.rate = max(0, grown) / (now - self.seen_at)
-        self.seen = {(s, p): o for s in latest for p, o in latest[s].items()}
-        self.seen_at = now
-
-    def behind(self, waiting: int, horizon_s: float) -> bool:
-        """True when the `waiting` messages exceed what arrives in `horizon_s` seconds; never while the
-        rate is unknown."""
-        return self.rate is not None and waiting > self.rate * horizon_s
-
-
-# --- Spark wiring ---
 
 
 class FluxjoinSource(DataSource):
@@ -1024,8 +710,8 @@ def report_reading(
     """Publish what a read task read, per (pid, stream): tuples and their newest event time, as soon as
     its reading ends. The join, the long part of a loaded instance's batch, comes after, and the batch
     record only at its end. The controller counts this in-flight input in the pids' arrival rates
-    (`controller.rounds.in_flight_reading`), so a hot set that arrived at a loaded instance shows a
-    batch earlier. Not transactional, like a heartbeat: a task that runs again reports again, and the
+    (`controller.observation.rates.in_flight_reading`), so a hot set that arrived at a loaded instance
+    shows a batch earlier. Not transactional, like a heartbeat: a task that runs again reports again, and the
     newest report of a (pid, stream) wins (a pid's streams may be read by different tasks)."""
     record = {
         "kind": "reading",
@@ -1053,62 +739,6 @@ def _producer(bootstrap: str) -> Any:
     return producer
 
 
-def handoff_rows(bootstrap: str, work: HandoffWork, streams: int) -> Iterator[pa.RecordBatch]:
-    """Marker rows for released pids; the window rows and `stream_max` rows of each snapshot."""
-    from pipeline.join import window_from_bytes
-
-    for pid, export in work.releases:
-        yield _rows(pid, np.array([RELEASE_ROW], np.int8), [0], [int(export)], [0])
-    for pid, snapshot in work.snapshots:
-        window = window_from_bytes(read_snapshot(bootstrap, snapshot))
-        if window.parts and len(window.parts) != streams:
-            raise ValueError(f"snapshot of pid {pid} has {len(window.parts)} streams, expected {streams}")
-        for j, part in enumerate(window.parts):
-            if len(part):
-                kinds = np.full(len(part), WINDOW_ROW + j, np.int8)
-                yield _rows(pid, kinds, part.ids, part.keys, part.ts)
-        n = len(window.stream_max)
-        yield _rows(pid, np.full(n, WATERMARK_ROW, np.int8), np.arange(n), np.zeros(n), window.stream_max)
-    for pid, code, i, key, ts in work.markers:
-        yield _rows(pid, np.array([code], np.int8), [i], [key], [ts])
-
-
-def read_snapshot(bootstrap: str, snapshot: Snapshot) -> bytes:
-    """The exported window's bytes, checked against the checksum the sender committed with them."""
-    import hashlib
-
-    from confluent_kafka import Consumer, TopicPartition
-
-    from pipeline.topics import BOUNDED_READ
-
-    consumer = Consumer(
-        {
-            **kafka_config(bootstrap),
-            "group.id": CONSUMER_GROUP,
-            "isolation.level": "read_committed",
-            "auto.offset.reset": "error",
-        }
-        | BOUNDED_READ
-    )
-    chunks = []
-    try:
-        for offset in snapshot.offsets:
-            consumer.assign([TopicPartition(snapshot.topic, snapshot.partition, offset)])
-            got = consumer.consume(num_messages=1, timeout=30)
-            if not got or got[0].error() is not None or got[0].offset() != offset:
-                why = f": {got[0].error()}" if got and got[0].error() is not None else ""
-                raise RuntimeError(
-                    f"snapshot chunk {snapshot.topic}[{snapshot.partition}]@{offset} unreadable{why}"
-                )
-            chunks.append(got[0].value() or b"")
-    finally:
-        consumer.close()
-    blob = b"".join(chunks)
-    if hashlib.sha256(blob).hexdigest() != snapshot.sha256:
-        raise RuntimeError(f"snapshot at {snapshot.topic}@{snapshot.offsets} fails its checksum")
-    return blob
-
-
 def newest_event_time(value: bytes | None) -> int | None:
     """The largest event time of a record: its tuples' or its progress record's; None for a record that
     holds none or does not decode (dead-lettered, never in a window)."""
@@ -1124,197 +754,11 @@ def newest_event_time(value: bytes | None) -> int | None:
     return int(ts.max()) if len(ts) else None
 
 
-def _rows(pid: int, stream: Any, ids: Any, keys: Any, ts: Any) -> pa.RecordBatch:
-    n = len(stream)
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array(np.full(n, pid, dtype=np.int32)),
-            pa.array(np.asarray(stream, dtype=np.int8)),
-            pa.array(np.asarray(ids, dtype=np.int64)),
-            pa.array(np.asarray(keys, dtype=np.int64)),
-            pa.array(np.asarray(ts, dtype=np.int64)),
-        ],
-        schema=_ARROW_SCHEMA,
-    )
-
-
-# One consumer per Python worker process and cluster, kept between batches: Spark reuses its Python
-# workers, and a new consumer costs a connection, a metadata round trip and a fetch session per task.
-_CONSUMERS: dict[str, Any] = {}
-
-
-def _range_consumer(bootstrap: str) -> Any:
-    from confluent_kafka import Consumer
-
-    from pipeline.topics import BOUNDED_READ
-
-    consumer = _CONSUMERS.get(bootstrap)
-    if consumer is None:
-        consumer = Consumer(
-            {
-                **kafka_config(bootstrap),
-                "group.id": CONSUMER_GROUP,  # offsets are never committed to Kafka; Spark owns them
-                "enable.auto.commit": False,
-                "enable.partition.eof": True,
-                "isolation.level": "read_committed",
-                "auto.offset.reset": "error",  # an offset retention deleted fails, never skips to the end
-                "fetch.max.bytes": 64 * 1024 * 1024,
-                "max.partition.fetch.bytes": 16 * 1024 * 1024,
-            }
-            | BOUNDED_READ
-        )
-        _CONSUMERS[bootstrap] = consumer
-    return consumer
-
-
-def _drop_consumer(bootstrap: str) -> None:
-    consumer = _CONSUMERS.pop(bootstrap, None)
-    if consumer is not None:
-        consumer.close()
-
-
 def close_clients(bootstrap: str) -> None:
     """Close this process's kept Kafka clients of `bootstrap` (the range consumer, the read-report
     producer), before the cluster goes away: left open, they retry its address until the process
     exits, one error line every 50 ms."""
-    _drop_consumer(bootstrap)
+    drop_consumer(bootstrap)
     producer = _PRODUCERS.pop(bootstrap, None)
     if producer is not None:
         producer.flush(5)
-
-
-def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> Iterator[pa.RecordBatch]:
-    """Read every range [start, end) exactly (all at once), decode in bulk, yield one batch per range.
-
-    A partition may carry several ranges (a recovered parallel track's window rows, then its silent
-    rows, back to back): it is read once, from the first range's start to the last one's end, and each
-    message goes to the range that holds its offset.
-    """
-    from confluent_kafka import KafkaError, TopicPartition
-
-    from pipeline.codec import Malformation, MalformedRecord, decode_tuple_columns, progress_of
-    from pipeline.partitioning import pids_of
-    from pipeline.topics import broker_answers
-
-    ranges = list(dict.fromkeys(ranges))
-    by_tp: dict[tuple[str, int], list[PidRange]] = {}
-    for r in sorted((r for r in ranges if r.end > r.start), key=lambda r: r.start):
-        by_tp.setdefault((r.topic, r.pid), []).append(r)
-    for (topic, pid), rs in by_tp.items():
-        if any(a.end > b.start for a, b in itertools.pairwise(rs)):
-            raise ValueError(f"overlapping ranges of {topic}[{pid}]: {rs}")
-    next_offset = {tp: rs[0].start for tp, rs in by_tp.items()}
-    last_end = {tp: rs[-1].end for tp, rs in by_tp.items()}
-    cols: dict[PidRange, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {r: [] for r in ranges}
-    bad: dict[PidRange, list[tuple[int, int]]] = {r: [] for r in ranges}
-    pending = set(by_tp)
-    consumer = _range_consumer(bootstrap)
-    clean = False
-    try:
-        consumer.assign([TopicPartition(t, p, next_offset[(t, p)]) for t, p in pending])
-        deadline = time.monotonic() + _READ_TIMEOUT_S
-        while pending:
-            if time.monotonic() > deadline:
-                if not broker_answers(consumer, TopicPartition(*min(pending))):
-                    # An outage is waited out however long it lasts (decision 0052); the consumer
-                    # reconnects by itself and reads on from where it was.
-                    print(f"reading ranges: Kafka at {bootstrap} is away, waiting", flush=True)
-                    deadline = time.monotonic() + _READ_TIMEOUT_S
-                    continue
-                late = [f"{t}[{p}] {next_offset[(t, p)]}-{last_end[(t, p)]}" for t, p in sorted(pending)[:5]]
-                raise TimeoutError(
-                    f"offsets not readable within {_READ_TIMEOUT_S:.0f} s (not committed yet: an upstream "
-                    f"transaction still open?), e.g. {', '.join(late)}"
-                )
-            remaining = sum(last_end[tp] - next_offset[tp] for tp in pending)
-            for msg in consumer.consume(num_messages=max(1, min(remaining, 10_000)), timeout=0.5):
-                topic, partition, off, value = msg.topic(), msg.partition(), msg.offset(), msg.value()
-                err = msg.error()
-                if topic is None or partition is None:
-                    # Not about a partition: the client's own report of a lost connection, which it
-                    # re-establishes itself; the deadline above tells an outage from a stuck range.
-                    continue
-                tp = (topic, partition)
-                if err is not None:
-                    if err.code() == KafkaError._AUTO_OFFSET_RESET:
-                        raise _input_gone(consumer, topic, partition, next_offset[tp], last_end[tp])
-                    if err.code() != KafkaError._PARTITION_EOF:
-                        raise RuntimeError(f"reading {tp}: {err}")
-                    # The committed end: past the range, only transaction markers were left in it; short
-                    # of it, a transaction the range was planned into is still open (read on).
-                    if (off or 0) >= last_end[tp]:
-                        pending.discard(tp)
-                    continue
-                assert off is not None
-                if tp not in pending or off >= last_end[tp]:
-                    pending.discard(tp)
-                    continue
-                if off < next_offset[tp]:
-                    continue  # never twice, whatever a reused consumer may still deliver
-                next_offset[tp] = off + 1
-                if off + 1 >= last_end[tp]:
-                    pending.discard(tp)
-                into = next((r for r in by_tp[tp] if r.start <= off < r.end), None)
-                if into is None:
-                    continue  # between two ranges
-                progress = progress_of(value)
-                if progress is not None:  # counts for lateness in its place, joins nothing
-                    cols[into].append((np.array([PROGRESS_ID]), np.zeros(1, np.int64), np.array([progress])))
-                    continue
-                try:
-                    ids, keys, ts = decode_tuple_columns(value)
-                    if len(keys) and (pids_of(keys, partitions) != into.pid).any():
-                        raise MalformedRecord(Malformation.WRONG_PARTITION, "key of another pid")
-                    if len(ids) and (ids < 0).any():
-                        raise MalformedRecord(Malformation.NEGATIVE_ID, "a negative tuple id")
-                    cols[into].append((ids, keys, ts))
-                except MalformedRecord as exc:
-                    if into.kind is RangeKind.INPUT:  # a re-read was reported when first read
-                        bad[into].append((off, int(exc.reason)))
-        consumer.unassign()  # drops whatever was fetched beyond the ranges
-        clean = True
-    finally:
-        if not clean:
-            _drop_consumer(bootstrap)
-    for r in ranges:
-        if cols[r] or bad[r]:
-            yield _to_arrow(r, cols[r], bad[r])
-
-
-class InputGone(RuntimeError):
-    """Input a batch or a replay must read is no longer in its topic: retention or a deletion moved the
-    log start past it. Fatal, naming what is gone: reading on from elsewhere would lose it unnoticed."""
-
-
-def _input_gone(consumer: Any, topic: str, partition: int, start: int, end: int) -> InputGone:
-    from confluent_kafka import TopicPartition
-
-    from pipeline.topics import watermark_offsets
-
-    low, _ = watermark_offsets(consumer, TopicPartition(topic, partition))
-    return InputGone(
-        f"{topic}[{partition}]: offsets from {start} (reading up to {end}) are gone, the log starts at "
-        f"{low} now; the input below it was deleted before it was read"
-    )
-
-
-def _to_arrow(
-    r: PidRange, cols: list[tuple[np.ndarray, np.ndarray, np.ndarray]], bad: list[tuple[int, int]]
-) -> pa.RecordBatch:
-    ids = [c[0] for c in cols] + [np.array([o for o, _ in bad], dtype=np.int64)]
-    keys = [c[1] for c in cols] + [np.full(len(bad), r.stream_index, dtype=np.int64)]
-    ts = [c[2] for c in cols] + [np.array([code for _, code in bad], dtype=np.int64)]
-    n_good = sum(len(c[0]) for c in cols)
-    code = r.stream_index + r.kind
-    stream = np.full(n_good + len(bad), code, dtype=np.int8)
-    stream[n_good:] = MALFORMED_STREAM
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array(np.full(len(stream), r.pid, dtype=np.int32)),
-            pa.array(stream),
-            pa.array(np.concatenate(ids)),
-            pa.array(np.concatenate(keys)),
-            pa.array(np.concatenate(ts)),
-        ],
-        schema=_ARROW_SCHEMA,
-    )

@@ -1,7 +1,7 @@
 """A real Kafka broker for every test that needs one (integration and Kubernetes tests): one container
 per test session, via testcontainers.
 
-The broker image is built locally from the jars `fluxjoin kafka start` runs (controller.kafka_runtime),
+The broker image is built locally from the jars `fluxjoin kafka start` runs (local.kafka_runtime),
 because the build machines cannot pull images. Without Docker these tests fail rather than skip: a green
 run must mean the pipeline was exercised against a real broker. `scripts/ensure-docker.sh` provides Docker.
 """
@@ -77,7 +77,7 @@ def running_broker() -> Iterator[Broker]:
     from testcontainers.core.config import testcontainers_config
     from testcontainers.core.container import DockerContainer
 
-    from controller import kafka_runtime
+    from local import kafka_runtime
     from pipeline.source import close_clients
 
     testcontainers_config.ryuk_disabled = True

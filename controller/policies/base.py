@@ -32,8 +32,8 @@ class InstanceStats:
     its time it needs to keep up with the pids the assignment gives it: their arrival rates times their
     cost per tuple, plus the fixed part. It equals busy_fraction while the instance keeps up and exceeds
     1 when it falls behind, where busy_fraction stops at 1; a backlog being read does not count, and a
-    moved pid counts for its new owner (`controller.rounds.snapshot_of`, decisions 0014 and 0032).
-    None when unknown.
+    moved pid counts for its new owner (`controller.observation.snapshot.snapshot_of`, docs/load-model.md,
+    "Arrival rates" and 0032). None when unknown.
     """
 
     instance: str
@@ -97,7 +97,7 @@ class Snapshot:
     interval_s: length of the collection interval the statistics cover (Flux's current delta).
     last_adaptation_s: when the last moves were ordered, on the same clock; None if never.
     warming: instances whose input has just begun, whose load is not measured yet
-        (`controller.rounds.warming_up`); no round runs while there are any.
+        (`controller.observation.rates.warming_up`); no round runs while there are any.
     """
 
     now_s: float
@@ -166,6 +166,9 @@ class Decision:
     moves: tuple[Move, ...]
     reason: str
     next_interval_s: float | None
+    balanced: bool = False
+    """The policy found the instances balanced by its own test (flux: the most and the least utilized
+    instance within th_imb of each other), as opposed to held back by another rule."""
 
     @property
     def changes(self) -> bool:
@@ -193,9 +196,9 @@ class Policy(Protocol[ParamsT]):
         ...
 
 
-def no_change(reason: str, next_interval_s: float | None) -> Decision:
+def no_change(reason: str, next_interval_s: float | None, balanced: bool = False) -> Decision:
     """The explicit "nothing to do" decision."""
-    return Decision((), reason, next_interval_s)
+    return Decision((), reason, next_interval_s, balanced)
 
 
 def registry_of(*policies: Policy[Any]) -> Mapping[str, Policy[Any]]:

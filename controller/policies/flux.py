@@ -18,21 +18,21 @@ Beyond the paper, `max_moves_per_pair` (default 1, the paper's rule) lets one pa
 a round: after each chosen pid the walk goes on from the pair's estimated U_d', U_r', T_d', T_r' while a
 further move still reduces the estimated imbalance, until that imbalance is below th_imb; and the donor
 then goes on to the next least utilized instance, from its estimates so far, for as long as it passes
-the threshold test against it (decisions 0013 and 0025). Only a donor that fails it hands that receiver
-to the next donor, so one overloaded instance sheds load to every idle one in a round. The paper's
-rounds last milliseconds; a micro-batch engine's last two triggers or more, so one pid per pair and
-round cannot follow a hot set of a dozen pids that moves (decision 0012). Also beyond it, `donor_cost`
-charges a moved pid to the receiver at the donor's cost per tuple: the paper's estimate assumes every
-tuple costs alike on an instance, but a hot key's tuple joins many more partners than a cold one, while
-fluxjoin's instances are alike (pods of one StatefulSet). And `min_move_share` (default 0, the paper's
-rule) leaves a pid where it is when it processed less than that share of the tuples of the donor's
-largest pid: the paper's walk moves any pid that reduces the imbalance at all, so a donor whose load is
-in a few hot pids (some of them on their way to it) gives away cold pid after cold pid, each worth a few
-thousandths of its time (decision 0021). Last, a pair moves nothing when moving every pid the walk could
-give would still leave the donor th_imb above the receiver: the gap is then in per-batch costs or pids
-in flight, which no move of the round shifts, and the walk would empty the donor a sliver at a time
-(decision 0022). With no per-batch cost and nothing in flight this never happens: moving every pid
-leaves U_d' = 0.
+the threshold test against it (docs/load-model.md, "Rounds and move phases"; "When a round stops"). Only a
+donor that fails it hands that receiver to the next donor, so one overloaded instance sheds load to every idle
+one in a round. The paper's rounds last milliseconds; a micro-batch engine's last two triggers or more, so one
+pid per pair and round cannot follow a hot set of a dozen pids that moves (docs/load-model.md, "Which pids
+move"). Also beyond it, `donor_cost` charges a moved pid to the receiver at the donor's cost per tuple: the
+paper's estimate assumes every tuple costs alike on an instance, but a hot key's tuple joins many more
+partners than a cold one, while fluxjoin's instances are alike (pods of one StatefulSet). And `min_move_share`
+(default 0, the paper's rule) leaves a pid where it is when it processed less than that share of the tuples of
+the donor's largest pid: the paper's walk moves any pid that reduces the imbalance at all, so a donor whose
+load is in a few hot pids (some of them on their way to it) gives away cold pid after cold pid, each worth a
+few thousandths of its time (docs/load-model.md, "Which pids move"). Last, a pair moves nothing when moving
+every pid the walk could give would still leave the donor th_imb above the receiver: the gap is then in
+per-batch costs or pids in flight, which no move of the round shifts, and the walk would empty the donor a
+sliver at a time (docs/load-model.md, "When a round stops"). With no per-batch cost and nothing in flight this
+never happens: moving every pid leaves U_d' = 0.
 
 Where the text is not precise, this module chooses as follows:
 
@@ -50,16 +50,17 @@ Where the text is not precise, this module chooses as follows:
   time its pids' arrival rates need), else its busy fraction. The two agree while an instance keeps
   up; a busy fraction stops at 1, so an instance given twice what it can process would look barely
   busier than an idle one whose fixed per-batch cost fills half its time (measured: 0.85 against
-  0.65), and Flux would move one or two pids where the demand needs several (decisions 0012, 0014).
+  0.65), and Flux would move one or two pids where the demand needs several (docs/load-model.md, "Which pids
+  move"; "Arrival rates").
 - A receiver's busy fraction, the paper's U, is held to th_util too: one above it takes nothing and
   the next least utilized instance takes its turn, without stopping the round. Demand leaves out a
   backlog and the tail of a parallel track, so an instance that has just shed pids and is still
   reading what it owes reads as half loaded while busy all the time, and a pid sent there waits
-  behind that backlog (decision 0028).
+  behind that backlog (docs/load-model.md, "Thresholds and the estimate after a move").
 - The estimates scale only the part of U that grows with the tuples. A micro-batch costs a fixed
-  amount whatever its input (`InstanceStats.fixed_busy`, estimated by the observer, decision 0010); the
-  paper's operator has no such cost, and charging it per tuple makes a lightly loaded receiver look
-  overloaded by any hot pid. With fixed_busy = 0 the estimates are the paper's.
+  amount whatever its input (`InstanceStats.fixed_busy`, estimated by the observer, docs/load-model.md, "Busy
+  fraction and fixed cost"); the paper's operator has no such cost, and charging it per tuple makes a lightly
+  loaded receiver look overloaded by any hot pid. With fixed_busy = 0 the estimates are the paper's.
 - T_r = 0 or U_r = 0: the paper's estimate scales the receiver's own cost per tuple, U_r / T_r, which is
   then unknown (0 / 0) or claims the pid would cost nothing. In that case the pid is assumed to cost the
   receiver what it cost the donor: U_r' = U_r + U_d N_p / T_d. A donor with T_d = 0 has nothing to move.
@@ -72,7 +73,7 @@ Where the text is not precise, this module chooses as follows:
   next_interval_s = None and the caller (`controller.rounds.PolicyRounds`) starts the next interval
   when they have: as long as the phase, at least delta_min (the paper's minimum is on the collection
   phase, whatever set it). Without `phase_interval` the next round comes delta_min after this one,
-  whether the moves have been released or not (decision 0020).
+  whether the moves have been released or not (docs/load-model.md, "Rounds and move phases").
   A decision without moves returns max(interval_s / 2, delta_min_s), interval_s being the delta the
   snapshot's statistics were collected over.
 - Defaults: th_imb = 1.2, th_util = 0.9 as in the paper's experiments. delta_min_s = 0.25 s, the value at
@@ -103,21 +104,23 @@ class FluxParams:
     """The first round's collection interval; later rounds carry theirs in `Snapshot.interval_s`."""
     delta_min_s: float = 0.25
     max_moves_per_pair: int = 1
-    """Pids one (donor, receiver) pair may move in a round; 1 is the paper's rule (decision 0012). With
-    more, a donor its receiver could not balance also pairs with the next receiver (decision 0013)."""
+    """Pids one (donor, receiver) pair may move in a round; 1 is the paper's rule (docs/load-model.md, "Which
+    pids move"). With more, a donor its receiver could not balance also pairs with the next receiver
+    (docs/load-model.md, "Rounds and move phases")."""
     donor_cost: bool = False
     """Charge a moved pid to the receiver at the donor's cost per tuple, not the receiver's own (the
     paper's). Right when instances are alike and tuples are not: a hot key's tuple joins many partners
-    (decision 0012)."""
+    (docs/load-model.md, "Which pids move")."""
     min_move_share: float = 0.0
     """A pid moves only if it processed at least this share of the tuples (N_pid) of the donor's largest
     pid, in flight or not; 0 is the paper's rule, any pid that reduces the imbalance. Relative, so that
-    it tells hot pids from cold ones at any rate and on any machine (decision 0021)."""
+    it tells hot pids from cold ones at any rate and on any machine (docs/load-model.md, "Which pids
+    move")."""
     phase_interval: bool = True
     """The collection interval after a move phase lasts as long as the phase (the paper's rule: the
     statistics of a phase are the moves' as much as the load's). False: delta_min after the round,
     without waiting for the releases, for loads the moves do not distort, as fluxjoin's observer
-    measures them (decisions 0014 and 0020)."""
+    measures them (docs/load-model.md, "Arrival rates"; "Rounds and move phases")."""
     mode: HandoffMode = HandoffMode.TRANSFER
 
     def __post_init__(self) -> None:
@@ -222,6 +225,7 @@ class FluxPolicy:
         d, r = 0, len(ranked) - 1
         u_d, t_d = ranked[0].load, snapshot.tuples_on(ranked[0].instance)
         going_on = False  # the donor has been paired this round and goes on from its estimates
+        balanced = False
         while d < r:
             donor, receiver = ranked[d], ranked[r]
             if receiver.busy_fraction > params.th_util:  # the paper's U_r test on the paper's U
@@ -237,6 +241,9 @@ class FluxPolicy:
                 u_d, t_d, going_on = ranked[d].load, snapshot.tuples_on(ranked[d].instance), False
                 continue
             if failure:
+                # The first pair, the most and the least utilized instance, within th_imb of each other:
+                # balanced by the policy's own test (a first pair whose receiver is too busy is not).
+                balanced = not notes and imbalance(u_d, receiver.load) < params.th_imb
                 notes.append(f"stopped at {pair}: {failure}")
                 break
             walk = self._pick(snapshot, donor, receiver, params, u_d, t_d, {m.pid for m in moves})
@@ -250,7 +257,7 @@ class FluxPolicy:
                 u_d, t_d, going_on = walk.u_d, walk.t_d, True
         reason = "flux: " + "; ".join(notes)
         if not moves:
-            return no_change(reason, calm)
+            return no_change(reason, calm, balanced)
         return Decision(tuple(moves), reason, None)
 
     def _pick(

@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 
-from controller.kafka_runtime import build_broker_image
-from controller.workload import PIPELINE_LABEL, pod_ready
+from controller.k8s.manifests import PIPELINE_LABEL
+from controller.k8s.status import pod_ready
+from local.kafka_runtime import build_broker_image
 from tests.e2e.kube import (
     REPO,
     E2EError,

@@ -33,10 +33,10 @@ from typing import Any
 
 import pytest
 
-from controller.local import LocalPipeline
-from controller.moves import request_moves
-from controller.soak import Watch, moved
+from bench.soak import Watch, moved
+from controller.moves.kafka_mover import request_moves
 from generator.producer import run_generator
+from local.processes import LocalPipeline
 from pipeline.oracle import verify_pipeline
 from pipeline.protocol import Mode
 from pipeline.topics import read_topic

@@ -11,9 +11,10 @@ from confluent_kafka import Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from controller.assignment import initial_assignment
-from controller.moves import KafkaPidMover, request_moves
+from controller.moves.kafka_mover import KafkaPidMover, request_moves
 from pipeline.config import Config, load_config
 from pipeline.control import ControlLog, ControlLogTruncated, InstanceFollower, publish, wait_for
+from pipeline.instance_files import OwnedPids, read_assignment, write_assignment
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
@@ -25,7 +26,6 @@ from pipeline.protocol import (
     ReleasedMsg,
     encode,
 )
-from pipeline.source import OwnedPids, read_assignment, write_assignment
 from pipeline.topics import ensure_topics, partition_offsets
 
 

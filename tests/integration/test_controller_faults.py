@@ -14,8 +14,9 @@ from confluent_kafka import KafkaException, Producer
 from typer.testing import CliRunner
 
 from controller.assignment import initial_assignment
-from controller.cli import app
-from controller.moves import PROGRESS_TIMEOUT_S, KafkaPidMover
+from controller.moves.kafka_mover import KafkaPidMover
+from controller.observation.liveness import PROGRESS_TIMEOUT_S
+from fluxjoin.cli import app
 from pipeline.config import Config, load_config
 from pipeline.control import ControlLog, publish, wait_for
 from pipeline.protocol import AcquiredMsg, AssignmentMsg, Handoff, Mode, MoveSpec, ReleasedMsg

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import uuid
 
-from controller.cpu_budget import budget_hook, group_dir, remove_group
+from local.cpu_budget import budget_hook, group_dir, remove_group
 
 
 def test_a_budgeted_process_runs_in_its_own_group_which_stop_removes() -> None:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from controller.local import LocalPipeline, committed_offsets, wait_drained
+from local.processes import LocalPipeline, committed_offsets, wait_drained
 from pipeline.oracle import verify_pipeline
 from tests.integration.test_faults import report_recovery
 from tests.integration.test_pipeline import _free_port, _get, small_config, wait_until

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 from confluent_kafka import Producer
 
-from controller.local import LocalPipeline, wait_drained
 from generator.producer import run_generator
+from local.processes import LocalPipeline, wait_drained
 from pipeline.codec import encode_tuples
 from pipeline.config import Config
 from pipeline.partitioning import pids_of

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from controller.local import LocalPipeline, committed_offsets, wait_drained
-from controller.moves import request_moves
-from controller.soak import SoakPlan, Watch, acquired_by, evicted, rejoined, run_soak, soak_config
+from bench.soak import SoakPlan, Watch, acquired_by, evicted, rejoined, run_soak, soak_config
+from controller.moves.kafka_mover import request_moves
+from local.processes import LocalPipeline, committed_offsets, wait_drained
 from pipeline.config import Config, load_config
 from pipeline.control import ControlLog
 from pipeline.instance import instance_dir

@@ -18,8 +18,8 @@ import numpy as np
 from confluent_kafka import Producer
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.local import LocalPipeline, backlog, committed_offsets, wait_drained
 from generator.producer import run_generator
+from local.processes import LocalPipeline, backlog, committed_offsets, wait_drained
 from pipeline.codec import encode_tuples
 from pipeline.config import Config, load_config
 from pipeline.control import wait_for

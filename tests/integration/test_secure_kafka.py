@@ -1,6 +1,6 @@
 """The whole pipeline against a broker that asks for TLS and SCRAM and authorizes every request.
 
-The embedded broker (`controller.kafka_runtime.SaslSsl`) listens for SASL_SSL only, with a CA made for
+The embedded broker (`local.kafka_runtime.SaslSsl`) listens for SASL_SSL only, with a CA made for
 the test, SCRAM-SHA-512 users and Kafka's StandardAuthorizer with no access unless an ACL grants it.
 The pipeline's principal gets exactly `fluxjoin acls`'s set; every process (generator, controller,
 two Spark instances with their Python workers, the verifier) reaches the broker through the
@@ -22,11 +22,11 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from controller import kafka_runtime
-from controller.local import LocalPipeline, wait_drained
-from controller.moves import request_moves
-from controller.soak import Watch, acquired_by
+from bench.soak import Watch, acquired_by
+from controller.moves.kafka_mover import request_moves
 from generator.producer import run_generator
+from local import kafka_runtime
+from local.processes import LocalPipeline, wait_drained
 from pipeline.acls import create_acls, pipeline_acls
 from pipeline.oracle import verify_pipeline
 from pipeline.protocol import Mode
@@ -65,7 +65,7 @@ def _log_in(
 
 def _fluxjoin(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "controller", *args], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-m", "fluxjoin", *args], capture_output=True, text=True, env=env, timeout=120
     )
 
 

@@ -14,23 +14,12 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable
 from pipeline.codec import encode_tuples
 from pipeline.config import Config, load_config
 from pipeline.control import ControlLog
+from pipeline.instance_files import OwnedPids, write_assignment, write_watermarks
+from pipeline.kafka_reader import PidRange, RangeKind, read_ranges
 from pipeline.partitioning import pids_of
 from pipeline.protocol import Handoff, Mode, MoveSpec
-from pipeline.source import (
-    DROP_ROW,
-    SILENT_ROW,
-    TRACK_NEW,
-    TRACK_ROW,
-    WINDOW_ROW,
-    FluxjoinStreamReader,
-    KafkaPidPartition,
-    OwnedPids,
-    PidRange,
-    RangeKind,
-    read_ranges,
-    write_assignment,
-    write_watermarks,
-)
+from pipeline.rows import DROP_ROW, SILENT_ROW, TRACK_NEW, TRACK_ROW, WINDOW_ROW
+from pipeline.source import FluxjoinStreamReader, KafkaPidPartition
 from pipeline.topics import ensure_topics
 
 PARTITIONS = 4

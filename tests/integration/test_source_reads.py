@@ -15,12 +15,15 @@ import pytest
 from confluent_kafka import IsolationLevel, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
-from pipeline import source
+from pipeline import kafka_reader
 from pipeline.codec import encode_tuples
 from pipeline.config import Config, load_config
+from pipeline.instance_files import OwnedPids
+from pipeline.kafka_reader import PidRange, read_ranges
 from pipeline.partitioning import pids_of
 from pipeline.protocol import Handoff, Mode
-from pipeline.source import DROP_ROW, FluxjoinStreamReader, OwnedPids, PidRange, read_ranges
+from pipeline.rows import DROP_ROW
+from pipeline.source import FluxjoinStreamReader
 from pipeline.topics import ensure_topics
 from tests.integration.test_source import PARTITIONS, _planner, _produce_pid_1
 
@@ -153,7 +156,7 @@ def test_a_range_read_that_meets_the_committed_end_short_of_its_own_is_not_finis
     _produce_pid_1(cfg, kafka_bootstrap, 0, 10)
     upstream = _open_transaction(cfg, kafka_bootstrap, topic_prefix)
     planned = [PidRange(0, topic, 1, 0, 20)]
-    monkeypatch.setattr(source, "_READ_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(kafka_reader, "_READ_TIMEOUT_S", 2.0)
     with pytest.raises(TimeoutError, match=rf"{topic}\[1\] 10-20"):
         list(read_ranges(kafka_bootstrap, planned, PARTITIONS))
     upstream.commit_transaction(30)

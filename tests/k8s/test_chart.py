@@ -116,13 +116,8 @@ def test_kafka_credentials_from_a_secret_reach_every_pod_as_files_and_nowhere_el
     """The operator, the generator and (through spec.kafka.security, rendered by the operator) every
     instance pod log in alike: FLUXJOIN_KAFKA_* naming files of a projected Secret volume. The password
     itself is in none of the objects the chart or the operator write."""
-    from controller.workload import (
-        KAFKA_CREDENTIALS_DIR,
-        InstanceSettings,
-        PipelineSpec,
-        kafka_credentials,
-        statefulset,
-    )
+    from controller.k8s.manifests import KAFKA_CREDENTIALS_DIR, kafka_credentials, statefulset
+    from controller.k8s.spec import InstanceSettings, PipelineSpec
 
     password = "pw-" + namespace
     core = kubernetes.client.CoreV1Api(kube.api_client)
@@ -459,8 +454,8 @@ ALLOWED = [
     ["patch", "leases.coordination.k8s.io/fj-fluxjoin-operator"],
     ["create", "events"],
 ]
-"""Exactly what the operator calls (`controller.operator`); every other verb is denied, those below
-checked by name."""
+"""Exactly what the operator calls (`controller.k8s.api`, `controller.k8s.lease`); every other verb is
+denied, those below checked by name."""
 DENIED_IN_NAMESPACE = [
     ["get", "secrets"],
     ["get", "joinpipelines.fluxjoin.io"],

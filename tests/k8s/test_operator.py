@@ -25,11 +25,16 @@ import yaml
 from typer.testing import CliRunner
 
 from controller.assignment import Assignment, FinishedMove, HandoffMode, Move
-from controller.cli import app
-from controller.operator import LeaseElector, Operator, OperatorOptions, PidMover, serve_health
+from controller.k8s.health import serve_health
+from controller.k8s.lease import LeaseElector
+from controller.k8s.main import OperatorOptions
+from controller.k8s.manifests import selector_labels
+from controller.k8s.ports import PidMover
+from controller.k8s.reconciler import Operator
+from controller.k8s.spec import FINALIZER, InstanceSettings, PipelineSpec
 from controller.policies.base import InstanceStats, PidStats, Snapshot
 from controller.rounds import FIRST_ROUND_DELAY_S
-from controller.workload import FINALIZER, InstanceSettings, PipelineSpec, selector_labels
+from fluxjoin.cli import app
 from tests.k8s.cluster import GROUP, PLURAL, REPO, VERSION, KubeCluster, free_port, pipeline_manifest
 
 CHART = REPO / "charts" / "fluxjoin"
@@ -800,7 +805,7 @@ def test_run_reconciles_on_watch_events_until_stopped(
         _wait_for(lambda: _status_epoch(kube, namespace) == 1, "the next round, with the moves done", 10)
         assert "MoveCompleted" in _reasons(kube, namespace)
         port = free_port()
-        server = serve_health(operator, port, host="127.0.0.1")
+        server = serve_health(operator.healthy, operator.metrics, port, host="127.0.0.1")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
                 assert answer.status == 200
@@ -930,7 +935,7 @@ def test_operator_command_takes_its_settings_from_the_charts_environment(
     """Every variable the chart's Deployment sets is read by `fluxjoin operator`, into the right option."""
     import subprocess
 
-    import controller.operator
+    import controller.k8s.main
 
     rendered = subprocess.run(
         [str(k8s_bin / "helm"), "template", "fj", str(CHART), "-n", "streams",
@@ -946,7 +951,7 @@ def test_operator_command_takes_its_settings_from_the_charts_environment(
         for e in container["env"]
     }
     started: list[OperatorOptions] = []
-    monkeypatch.setattr(controller.operator, "run_operator", started.append)
+    monkeypatch.setattr(controller.k8s.main, "run_operator", started.append)
     result = CliRunner().invoke(app, ["operator"], env=env)
     assert result.exit_code == 0, result.output
     (options,) = started

@@ -3,7 +3,7 @@ on a real broker, and the results stay exact.
 
 No kubelet runs here, so `Kubelet` stands in for it: it starts a local `fluxjoin instance` process for each
 ordinal the StatefulSet asks for (named like the pod would be) and stops the ones above it. The operator
-uses its production mover (`controller.operator.make_mover`, the Kafka control protocol), and the
+uses its production mover (`controller.k8s.ports.make_mover`, the Kafka control protocol), and the
 generator keeps the input flowing through a scale-out from 2 to 4 instances and a scale-in back to 2.
 """
 
@@ -17,9 +17,10 @@ from typing import Any
 
 import kubernetes
 
-from controller.local import LocalPipeline, wait_drained
-from controller.operator import Operator, PidMover, make_mover
-from controller.workload import InstanceSettings, PipelineSpec
+from controller.k8s.ports import PidMover, make_mover
+from controller.k8s.reconciler import Operator
+from controller.k8s.spec import InstanceSettings, PipelineSpec
+from local.processes import LocalPipeline, wait_drained
 from pipeline.oracle import verify_pipeline
 from tests.k8s.cluster import GROUP, PLURAL, VERSION, KubeCluster, pipeline_manifest
 

@@ -8,7 +8,7 @@ import socket
 import pytest
 from typer.testing import CliRunner
 
-from controller.cli import app
+from fluxjoin.cli import app
 
 
 def _nothing_listens() -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_LOG_APPEND_TIME, TIMESTAMP_NOT_AVAILABLE
 
-from controller.moves import appended_ms, query_stalled_s
+from controller.observation.liveness import query_stalled_s
+from controller.observation.observer import appended_ms
 from pipeline.instance import QueryProgress
 
 HOUR_MS = 3_600_000

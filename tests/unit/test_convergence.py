@@ -1,10 +1,18 @@
-"""The convergence benchmark's arithmetic: imbalance per bucket and when the moves settled."""
+"""The convergence benchmark's arithmetic: imbalance per bucket and when the moves settled; the rounds
+it reads from the controller's decisions file, and flux's own verdict that the instances are balanced."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
-from controller.bench import Round, convergence_of, imbalance_series, rounds_of
+import pytest
+
+from bench.convergence import Round, convergence_of, imbalance_series, rounds_of
+from controller.assignment import Assignment
+from controller.policies import Decision, FluxParams, FluxPolicy, InstanceStats, PidStats, Snapshot
+from controller.runner import append_decision
 
 
 def _batch(instance: str, at_s: float, duration_s: float, period_s: float = 5.0) -> dict[str, object]:
@@ -31,24 +39,50 @@ def test_an_instance_before_its_first_batch_reads_idle() -> None:
     assert imbalance_series([_batch("a", 1, 2.5)], ["a", "b"], start_ms=0) == [50.0]
 
 
-def test_rounds_are_read_from_the_controller_log() -> None:
-    start = time.mktime((2026, 11, 25, 14, 0, 0, 0, 0, -1)) + 0.5
-    log = [
-        "14:00:00 epoch 0: 64 pids over 4 instances",
-        "14:00:10 policy flux: pid 3 instance-0 -> instance-1 (flux: instance-0->instance-1: move pid 3 (U))",
-        "14:00:10 policy flux: pid 4 instance-0 -> instance-1 (flux: instance-0->instance-1: move pid 3 (U))",
-        "14:00:11 move m-1: pid 3 instance-0 -> instance-1 (parallel_track) started",
-        "14:00:20 policy flux: pid 9 instance-0 -> instance-2 (flux: instance-0->instance-2: move pid 9)",
-        "14:00:30 policy flux: no move (flux: instance-0->instance-3: no pid reduces the imbalance)",
-        "14:00:35 policy flux: no move (flux: stopped at instance-2->instance-1: U_r 2.284 > th_util 0.9)",
-        "14:00:40 policy flux: no move (flux: stopped at instance-0->instance-3: U_d/U_r 1.1 < th_imb 1.2)",
-    ]
-    assert rounds_of(log, start) == [
-        Round(9.5, 2, False),
-        Round(19.5, 1, False),
-        Round(29.5, 0, False),
-        Round(34.5, 0, False),  # the least utilized is busy too: not balanced
-        Round(39.5, 0, True),
+def _flux_round(sites: dict[str, tuple[float, list[int]]]) -> Decision:
+    """Flux's round (default thresholds) over {instance: (U, [N_pid of each pid it owns])}."""
+    owned = [(site, tuples) for site, (_, pids) in sites.items() for tuples in pids]
+    snapshot = Snapshot(
+        now_s=100.0,
+        instances=tuple(InstanceStats(site, u, 0) for site, (u, _) in sites.items()),
+        pids={pid: PidStats(pid, tuples, 0, 0) for pid, (_, tuples) in enumerate(owned)},
+        assignment=Assignment(1, {pid: site for pid, (site, _) in enumerate(owned)}),
+        interval_s=1.0,
+    )
+    return FluxPolicy().decide(snapshot, FluxParams())
+
+
+def test_flux_is_balanced_when_the_most_and_the_least_utilized_are_within_th_imb() -> None:
+    balanced = _flux_round({"a": (0.50, [50]), "b": (0.46, [46]), "c": (0.44, [44])})
+    assert balanced.balanced and not balanced.moves
+    moving = _flux_round({"a": (0.8, [40, 40]), "b": (0.2, [20])})
+    assert moving.moves and not moving.balanced
+    stuck = _flux_round({"a": (0.8, [80]), "b": (0.2, [20])})  # unbalanced, but no move reduces it
+    assert not stuck.moves and not stuck.balanced
+    busy = _flux_round({"a": (0.95, [95]), "b": (0.92, [92])})  # the least utilized is busy too
+    assert not busy.moves and not busy.balanced
+
+
+def test_rounds_are_read_from_the_controllers_decisions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "decisions.jsonl"
+    now = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    for at, sites in (
+        (1000.0, {"a": (0.8, [40, 40]), "b": (0.2, [20])}),
+        (1010.0, {"a": (0.95, [95]), "b": (0.92, [92])}),
+        (1020.0, {"a": (0.50, [50]), "b": (0.46, [46])}),
+    ):
+        now[0] = at
+        append_decision(path, "flux", _flux_round(sites))
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first["time"] == 1000.0 and first["policy"] == "flux" and not first["balanced"]
+    assert first["moves"] == [[0, "a", "b"]] and first["reason"].startswith("flux: a->b: move pid 0")
+    assert rounds_of(path, start=999.5) == [
+        Round(0.5, 1, False),
+        Round(10.5, 0, False),
+        Round(20.5, 0, True),
     ]
 
 

@@ -1,10 +1,10 @@
-"""Run-wide latency percentiles from per-batch metrics samples (controller/local.py)."""
+"""Run-wide latency percentiles from per-batch metrics samples (local/processes.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from controller.local import weighted_percentiles
+from local.processes import weighted_percentiles
 
 
 def test_batches_weigh_by_their_result_counts() -> None:

@@ -111,3 +111,19 @@ def test_a_broker_away_shows_on_metrics_and_fails_no_probe() -> None:
     assert health.readiness() == (True, "serving") and health.liveness() == (True, "running")
     health.broker("")
     assert _scrape(metrics)["fluxjoin_instance_broker_away"] == 0
+
+
+def test_a_broker_away_longer_than_the_stall_timeout_is_no_stall() -> None:
+    """The stall timeout counts from the broker's return: an outage longer than it failed /healthz as
+    soon as it ended, before the query could run a batch."""
+    clock = Clock()
+    health = InstanceHealth(stall_timeout_s=60, clock=clock)
+    health.enter(Phase.RUNNING)
+    health.observe(progress_ms=1_000, batch=3, serving=True)
+    for _ in range(90):  # 90 s away, as the instance's main loop reports it
+        clock.now += 1
+        health.broker("Failed to query partition leaders: No leaders found")
+    health.broker("")
+    assert health.liveness() == (True, "running")
+    clock.now += 61
+    assert health.liveness() == (False, "query made no progress for 61 s (newest batch 3)")

@@ -10,8 +10,8 @@ import pytest
 
 from pipeline.health import InstanceHealth, Phase
 from pipeline.instance import Drain, holds_nothing
+from pipeline.instance_files import OwnedPids, write_assignment
 from pipeline.protocol import Mode, MoveSpec
-from pipeline.source import OwnedPids, write_assignment
 
 
 class Clock:

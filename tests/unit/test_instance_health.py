@@ -22,7 +22,7 @@ from pipeline.health import (
     latency_buckets,
     serve,
 )
-from pipeline.source import OwnedPids, write_assignment
+from pipeline.instance_files import OwnedPids, write_assignment
 
 
 @dataclass

@@ -15,16 +15,15 @@ import pytest
 from typer.testing import CliRunner
 
 import pipeline.instance
-from controller.cli import app
-from controller.workload import (
+from controller.k8s.manifests import (
     CONFIG_HASH_ANNOTATION,
-    InstanceSettings,
-    PipelineSpec,
     config_map,
     instance_config,
     pod_disruption_budget,
     statefulset,
 )
+from controller.k8s.spec import InstanceSettings, PipelineSpec
+from fluxjoin.cli import app
 from pipeline.config import Config
 from pipeline.sink import transactional_id
 
@@ -203,7 +202,7 @@ def test_the_instance_commands_default_metrics_port_is_the_operators() -> None:
     StatefulSet's probes and scrape annotations look by default."""
     import inspect
 
-    from controller.cli import instance
+    from fluxjoin.run import instance
 
     option = inspect.signature(instance).parameters["metrics_port"]
     assert option.default == InstanceSettings().metrics_port == 9108

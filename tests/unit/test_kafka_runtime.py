@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controller import kafka_runtime as kr
+from local import kafka_runtime as kr
 
 
 @pytest.fixture(autouse=True)

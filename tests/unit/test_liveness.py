@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.moves import judge_liveness
-from controller.workload import restarting_instances
+from controller.k8s.status import restarting_instances
+from controller.observation.liveness import judge_liveness
 
 TIMEOUT_S, PROGRESS_TIMEOUT_S = 10.0, 120.0
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.bench import (
+from bench.move_cost import (
     batch_interval_s,
     busy_per_s,
     p99_of_pids,
     pause_of,
-    ratio_to,
     spell_figures,
     to_target_s,
 )
+from bench.run import ratio_to
 
 
 def _batch(instance: str, at_s: float, reads: dict[int, int], duration_s: float = 0.5) -> dict[str, Any]:

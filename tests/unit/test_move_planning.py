@@ -3,17 +3,13 @@ recovery of dead instances and rejoining."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import replace
 
-from controller.moves import (
-    Liveness,
-    finished_moves,
-    moves_in_flight,
-    moves_releasing,
-    plan_step,
-    requested_moves,
-)
+from controller.moves.driver import plan_step
+from controller.moves.views import finished_moves, moves_in_flight, moves_releasing, requested_moves
+from controller.observation.liveness import Liveness
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
@@ -46,13 +42,21 @@ def earliest(pid: int) -> Mapping[str, int]:
     return {"A": 0, "B": 0}
 
 
+RECOVERY_IDS = itertools.count()
+
+
+def new_id() -> str:
+    """A move id never used before, for a recovery handoff (`plan_step`'s `new_id`)."""
+    return f"recover-{next(RECOVERY_IDS)}"
+
+
 def plan(
     view: ControlView,
     liveness: Liveness = LIVE,
     requested: list[MoveSpec] | None = None,
     markers: Mapping[str, Mapping[int, Mapping[str, int]]] = MARKERS,
 ) -> tuple[AssignmentMsg | None, list[str]]:
-    return plan_step(view, liveness, requested or [], markers, earliest)
+    return plan_step(view, liveness, requested or [], markers, earliest, new_id)
 
 
 def step(
@@ -110,7 +114,7 @@ def test_moves_of_unowned_pids_or_to_dead_targets_are_not_started() -> None:
     view = fold([START])
     wrong_source = MoveSpec(move_id="x", pid=2, source="a", target="c", mode=Mode.REPLAY)
     to_stranger = MoveSpec(move_id="y", pid=0, source="a", target="zz", mode=Mode.REPLAY)
-    msg, said = plan_step(view, LIVE, [wrong_source, to_stranger], MARKERS, earliest)
+    msg, said = plan_step(view, LIVE, [wrong_source, to_stranger], MARKERS, earliest, new_id)
     assert msg is None
     assert any("zz is not live" in line for line in said)
 
@@ -237,7 +241,7 @@ def test_a_dead_receiver_whose_part_of_the_overlap_ended_is_recovered_by_plain_r
 def test_a_parallel_track_waits_for_a_third_instance_rather_than_share_one() -> None:
     view = _overlap()
     only_a = Liveness(live={"a": "ia"}, dead=frozenset({"b", "c"}), incarnations={"b": "ib", "c": "ic"})
-    msg, said = plan_step(view, only_a, [], MARKERS, earliest)
+    msg, said = plan_step(view, only_a, [], MARKERS, earliest, new_id)
     assert msg is not None and "b@ib" not in msg.evicted and msg.owners[1] == "b"
     assert any("a parallel track needs two" in line for line in said)
 

@@ -339,7 +339,7 @@ def test_results_records_that_do_not_decode_are_none() -> None:
 
 
 def test_a_topic_with_another_partition_count_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from controller.cli import _user_errors
+    from fluxjoin.options import user_errors
 
     cfg = Config(pipeline="p", streams=["A", "B"], partitions=8)
     counts = {
@@ -359,7 +359,7 @@ def test_a_topic_with_another_partition_count_is_refused(monkeypatch: pytest.Mon
     monkeypatch.setattr(oracle, "admin_client", lambda bootstrap: admin)
     with pytest.raises(TopicError, match=r"topic p\.in\.B has 4 partitions but the configuration says 8"):
         oracle.check_topics(cfg, "broker:9092")
-    assert issubclass(TopicError, _user_errors())
+    assert issubclass(TopicError, user_errors())
     del counts[cfg.input_topic("B")]
     with pytest.raises(TopicError, match=r"topic p\.in\.B does not exist"):
         oracle.check_topics(cfg, "broker:9092")

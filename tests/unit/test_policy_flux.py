@@ -353,9 +353,9 @@ def test_stops_at_the_first_failing_pair() -> None:
 
 
 def test_a_receiver_busy_above_th_util_takes_nothing_and_the_next_one_does() -> None:
-    """Run X of decision 0028: `b` has just shed its hot pids and reads as needing 0.3 of its time,
-    but it is still reading its backlog, busy 0.95. The paper's U is the busy fraction, and U_r above
-    th_util takes nothing; `c` takes the pid instead."""
+    """Run X of docs/load-model.md, "Thresholds and the estimate after a move": `b` has just shed its hot pids
+    and reads as needing 0.3 of its time, but it is still reading its backlog, busy 0.95. The paper's U is the
+    busy fraction, and U_r above th_util takes nothing; `c` takes the pid instead."""
     base = snapshot_of({"a": (0.8, {0: 20, 1: 20, 2: 20, 3: 20}), "b": (0.3, {4: 30}), "c": (0.45, {5: 45})})
     busy_b = InstanceStats("b", 0.95, 0, demand=0.3)
     snapshot = replace(base, instances=tuple(busy_b if s.instance == "b" else s for s in base.instances))
@@ -522,7 +522,7 @@ def random_cluster(rng: random.Random) -> SimCluster:
 @pytest.mark.parametrize("seed", range(40))
 def test_converges_without_thrashing(seed: int, per_pair: int) -> None:
     """Round after round until balanced (max/min U < th_imb) or the policy finds no legal move, with
-    the paper's one move per pair and with several (decision 0012).
+    the paper's one move per pair and with several (docs/load-model.md, "Which pids move").
 
     Heavy-tailed loads make some seeds end with no legal move above th_imb: an instance whose hottest pid
     would overload any receiver it is paired with, which is the paper's rule working as written.

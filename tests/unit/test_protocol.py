@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from controller.fold_bench import synthetic_log
+from bench.fold import synthetic_log
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,

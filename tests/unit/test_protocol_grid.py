@@ -7,12 +7,14 @@ that already holds it publishes nothing)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import pytest
 
-from controller.moves import Liveness, plan_step
+from controller.moves.driver import plan_step
+from controller.observation.liveness import Liveness
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
@@ -36,6 +38,12 @@ MARKERS: Mapping[str, Mapping[int, Mapping[str, int]]] = {
 }
 """Each instance's newest commit marker: the pids it held at epoch 0."""
 SNAP = Snapshot(topic="t", partition=0, offsets=(7,), sha256="00" * 32)
+RECOVERY_IDS = itertools.count()
+
+
+def new_id() -> str:
+    """A move id never used before, for a recovery handoff (`plan_step`'s `new_id`)."""
+    return f"recover-{next(RECOVERY_IDS)}"
 
 
 def alive(*dead: str) -> Liveness:
@@ -49,7 +57,7 @@ def alive(*dead: str) -> Liveness:
 def step(
     log: list[Message], liveness: Liveness, requested: list[MoveSpec] | None = None
 ) -> AssignmentMsg | None:
-    return plan_step(fold(log), liveness, requested or [], MARKERS, lambda p: {"A": 0, "B": 0})[0]
+    return plan_step(fold(log), liveness, requested or [], MARKERS, lambda p: {"A": 0, "B": 0}, new_id)[0]
 
 
 def move(mode: Mode) -> MoveSpec:

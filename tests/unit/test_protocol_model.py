@@ -1,7 +1,8 @@
 """A model-based test of the move protocol (issue 42, "What to build" item 5): hypothesis drives the real
-controller step (`controller.moves.plan_step`, `to_recover`, `requested_moves`), the real fold of the control
-log (`pipeline.protocol.Fold` / `fold` / `ControlView`) and the real per-instance view of an assignment
-(`pipeline.source.owned_pids`) through random interleavings of input, batches, move requests, controller
+controller step (`controller.moves.driver.plan_step`, `to_recover`,
+`controller.moves.views.requested_moves`), the real fold of the control log (`pipeline.protocol.Fold` /
+`fold` / `ControlView`) and the real per-instance view of an assignment (`pipeline.instance_files.owned_pids`)
+through random interleavings of input, batches, move requests, controller
 steps, kills, stalls (SIGSTOP / SIGCONT), restarts and controller restarts, in a small simulated world, and
 checks exactly-once of the output per pid.
 
@@ -70,6 +71,7 @@ Left out (simplifications):
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -79,7 +81,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from controller.moves import Liveness, Markers, plan_step, requested_moves, to_recover
+from controller.moves.driver import Markers, plan_step, to_recover
+from controller.moves.views import requested_moves
+from controller.observation.liveness import Liveness
+from pipeline.instance_files import owned_pids
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
@@ -95,7 +100,6 @@ from pipeline.protocol import (
     encode,
     fold,
 )
-from pipeline.source import owned_pids
 
 PIDS = range(4)
 NAMES = ("a", "b", "c")
@@ -108,6 +112,14 @@ MODES = (Mode.TRANSFER, Mode.REPLAY)
 
 def earliest(pid: int) -> Mapping[str, int]:
     return {STREAM: 0}
+
+
+RECOVERY_IDS = itertools.count()
+
+
+def new_id() -> str:
+    """A move id never used before, for a recovery handoff (`plan_step`'s `new_id`)."""
+    return f"recover-{next(RECOVERY_IDS)}"
 
 
 @dataclass
@@ -430,7 +442,9 @@ class ProtocolModel(RuleBasedStateMachine):
             incarnations = {n: inc for n, (inc, _) in self.markers.items()}
             liveness = replace(liveness, incarnations={**incarnations, **liveness.incarnations})
         requested, _ = requested_moves(view, float(self.now))
-        msg, said = plan_step(view, liveness, [*ctrl.requested.values(), *requested], markers, earliest)
+        msg, said = plan_step(
+            view, liveness, [*ctrl.requested.values(), *requested], markers, earliest, new_id
+        )
         self.events.extend(said)
         if msg is not None:
             self.append(msg)

@@ -9,19 +9,17 @@ from typing import Any
 import pytest
 
 from controller.assignment import Assignment, HandoffMode, Move
-from controller.policies import POLICIES, InstanceStats, PidStats, Snapshot
-from controller.rounds import (
-    FIRST_ROUND_DELAY_S,
-    PolicyRounds,
-    arrival_rates,
+from controller.observation.estimates import (
     busy_fraction,
     cost_per_tuple_s,
     demand_from_progress,
     fixed_cost_s,
-    policy_params,
-    snapshot_of,
-    warming_up,
 )
+from controller.observation.rates import arrival_rates, warming_up
+from controller.observation.snapshot import snapshot_of
+from controller.policies import POLICIES, InstanceStats, PidStats, Snapshot
+from controller.policies.params import policy_params
+from controller.rounds import FIRST_ROUND_DELAY_S, PolicyRounds
 
 ASSIGNMENT = Assignment(epoch=0, owners={0: "a", 1: "a", 2: "b", 3: "b"})
 
@@ -226,9 +224,9 @@ def test_the_fixed_cost_of_a_batch_is_the_intercept_of_duration_against_tuples()
 
 
 def test_no_fixed_cost_is_longer_than_a_batch_that_read_nothing() -> None:
-    """Run Y of decision 0029: in a steady spell every batch reads about as many tuples, and a CPU
-    quota makes their durations noisy, so the line's intercept comes out above what the instance's
-    batch before its input took; that batch is the fixed cost measured directly."""
+    """Run Y of docs/load-model.md, "Busy fraction and fixed cost": in a steady spell every batch reads about
+    as many tuples, and a CPU quota makes their durations noisy, so the line's intercept comes out above what
+    the instance's batch before its input took; that batch is the fixed cost measured directly."""
     steady = [_timed(d, n) for d, n in ((5.6, 13000), (4.9, 14000), (5.0, 13500), (4.4, 14200), (6.1, 13100))]
     fitted = fixed_cost_s(steady)
     assert fitted > 3.0, "the line alone"
@@ -292,7 +290,8 @@ def test_an_instance_warms_up_from_its_first_batch_with_input_to_the_next_ones_r
 def test_a_tuples_cost_leaves_out_the_first_batch_of_new_input_where_it_can() -> None:
     """A near-idle instance's first batch with input took 11.8 s for 800 tuples (the join being
     compiled), its next 4.4 s for 2,000; its fixed cost is its 2.4 s empty batch. Nor is it busy
-    for compiling: as a receiver it would take nothing (decision 0028)."""
+    for compiling: as a receiver it would take nothing (docs/load-model.md, "Thresholds and the estimate after
+    a move")."""
     batches = [_batch("b", 5, 2.4, 5.0, {}), _batch("b", 17, 11.8, 12.0, {2: 800})]
     batches.append(_batch("b", 29, 4.4, 12.0, {2: 2000}, newest_s=25))
     snap = snapshot_of(batches, ["b"], ASSIGNMENT, frozenset(), 30_000, 24.0, 30.0, None)
@@ -334,7 +333,7 @@ def test_the_snapshot_splits_utilization_into_fixed_and_per_tuple_parts() -> Non
 
 def test_a_pipeline_objects_flux_fields_reach_the_policy() -> None:
     """The CRD's integer and yes/no fields arrive as the policy's int and bool parameters."""
-    from controller.workload import PipelineSpec
+    from controller.k8s.spec import PipelineSpec
 
     obj = {
         "metadata": {"name": "p", "namespace": "ns", "uid": "u"},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.bench import (
+from bench.skew import (
     against_static,
     flux_skew_params,
     skew_config,

@@ -1,19 +1,12 @@
 """How the instance's source caps a batch: whole pids round robin, a pid over the cap cut, fewer tuples
-where a batch could make too many results (pure part of pipeline/source.py)."""
+where a batch could make too many results (pipeline/batch_sizing.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.source import (
-    ArrivalMeter,
-    BatchBound,
-    pids_within,
-    read_recent_yields,
-    results_of,
-    tuples_within,
-    write_recent_yields,
-)
+from pipeline.batch_sizing import ArrivalMeter, BatchBound, pids_within, results_of, tuples_within
+from pipeline.instance_files import read_recent_yields, write_recent_yields
 
 
 def offsets(**by_stream: dict[int, int]) -> dict[str, dict[str, int]]:

@@ -135,7 +135,7 @@ values, which may lack it): protocol, saslMechanism, username, and the Secret na
 
 {{/* The FLUXJOIN_KAFKA_* variables of a container that logs in to Kafka as kafka.security says; the
 files they name come from fluxjoin.kafkaCredentialsVolume, mounted at /etc/fluxjoin/kafka. The operator
-renders the same for instance pods (controller.workload.kafka_credentials; a test keeps them equal). */}}
+renders the same for instance pods (controller.k8s.manifests.kafka_credentials; a test keeps them equal). */}}
 {{- define "fluxjoin.kafkaCredentialsEnv" -}}
 {{- $s := include "fluxjoin.kafkaSecurity" . | fromJson }}
 {{- if ne $s.protocol "PLAINTEXT" }}

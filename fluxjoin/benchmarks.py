@@ -1,0 +1,251 @@
+"""`fluxjoin bench`: the benchmark commands, thin wiring from flags to the `bench` package.
+
+Apart from the other commands because only these import `bench`. The five that run a pipeline take the
+same `--config`, `--set`, `--bootstrap` and `--json`: `_pipeline_bench` gives them those options, ahead of
+a command's own, and the one-line errors of the other commands.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from fluxjoin.options import (
+    BootstrapOpt,
+    ConfigOpt,
+    JsonOpt,
+    SetOpt,
+    broker_address,
+    fail,
+    progress,
+    read_config,
+    user_errors,
+)
+from pipeline.config import Config
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print numbers, write a report.")
+
+
+@dataclass(frozen=True)
+class SharedOptions:
+    """The options every pipeline benchmark takes, read: the configuration (`--config`, `--set`,
+    `--bootstrap`), whether to print one JSON object (`--json`), and where progress lines go."""
+
+    cfg: Config
+    json: bool
+    say: Callable[[str], None]
+
+
+_SHARED_OPTIONS = [
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+    for name, annotation, default in (
+        ("config", ConfigOpt, None),
+        ("set_", SetOpt, None),
+        ("bootstrap", BootstrapOpt, None),
+        ("json_", JsonOpt, False),
+    )
+]
+
+
+def _pipeline_bench(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register `command(shared: SharedOptions, **its own options)` as `fluxjoin bench NAME`, taking the
+    shared options first; an error that is the user's to fix ends it with one line (exit status 2)."""
+
+    def register(command: Callable[..., None]) -> Callable[..., None]:
+        def with_shared_options(
+            *, config: Path | None, set_: list[str] | None, bootstrap: str | None, json_: bool, **options: Any
+        ) -> None:
+            shared = SharedOptions(read_config(config, set_, bootstrap), json_, progress(json_))
+            try:
+                command(shared, **options)
+            except user_errors() as exc:
+                fail(str(exc))
+
+        own_options = list(inspect.signature(command, eval_str=True).parameters.values())[1:]
+        typer_command: Any = with_shared_options  # typer reads the options from its signature
+        typer_command.__signature__ = inspect.Signature(
+            [*_SHARED_OPTIONS, *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own_options)]
+        )
+        typer_command.__doc__ = command.__doc__
+        bench_app.command(name)(typer_command)
+        return command
+
+    return register
+
+
+NumberT = TypeVar("NumberT", int, float)
+
+
+def _numbers(text: str, option: str, kind: Callable[[str], NumberT]) -> list[NumberT]:
+    """A comma-separated option value as numbers, or a clear error naming the option."""
+    try:
+        return [kind(item) for item in text.split(",")]
+    except ValueError as exc:
+        fail(f"{option}: {exc}")
+
+
+@_pipeline_bench("throughput")
+def bench_throughput(
+    shared: SharedOptions,
+    tuples: Annotated[int, typer.Option(help="Tuples pre-loaded for the catch-up run.")] = 2_000_000,
+    repeats: Annotated[int, typer.Option(help="Catch-up runs of each engine (medians reported).")] = 1,
+    latency_rate: Annotated[float, typer.Option(help="Tuples/s in total for the latency run.")] = 20_000,
+    latency_seconds: Annotated[float, typer.Option(help="Seconds of input for the latency run.")] = 60,
+) -> None:
+    """Catch-up rate of one instance vs Spark's built-in join, and result latency at 20K tuples/s."""
+    from bench.throughput import run_throughput_bench
+
+    summary = run_throughput_bench(shared.cfg, tuples, repeats, latency_rate, latency_seconds, say=shared.say)
+    if shared.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "runs"}))
+    else:
+        for key in (
+            "tuples_per_s",
+            "builtin_tuples_per_s",
+            "ratio",
+            "latency_p50_s",
+            "latency_p99_s",
+            "exact",
+        ):
+            print(f"{key:>22}: {summary[key]}")
+
+
+KeySecondsOpt = Annotated[
+    float,
+    typer.Option(
+        help="Distinct keys: this many seconds of one stream's input. Smaller makes more results per "
+        "tuple (about 2 W / key-seconds), a heavier join."
+    ),
+]
+
+
+@_pipeline_bench("skew")
+def bench_skew(
+    shared: SharedOptions,
+    rates: Annotated[str, typer.Option(help="Input rates, tuples/s in total.")] = "7000,10000,14000,20000",
+    seconds: Annotated[float, typer.Option(help="Seconds of skewed input per point, after --even-s.")] = 240,
+    instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
+    cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.25,
+    key_seconds: KeySecondsOpt = 1.0,
+    hot_set_s: Annotated[float, typer.Option(help="Seconds between moves of the hot pids.")] = 120,
+    even_s: Annotated[
+        float, typer.Option(help="Seconds of even input before the skew, warming the join up.")
+    ] = 60,
+) -> None:
+    """Sustainable input rate and latency of the static and flux policies under moving skew; every
+    point's output is checked against the oracle (exit 1 if one is not exact). The trigger is twice an
+    idle batch, measured first on this machine (about two minutes)."""
+    from bench.skew import run_skew_bench
+
+    wanted = _numbers(rates, "--rates", float)
+    summary = run_skew_bench(
+        shared.cfg, wanted, seconds, instances, cpu, key_seconds, hot_set_s, even_s, shared.say
+    )
+    compact = {p: {k: v for k, v in s.items() if k != "points"} for p, s in summary.items()}
+    print(json.dumps(compact) if shared.json else json.dumps(summary, indent=2))
+    raise typer.Exit(0 if all(s["exact"] for s in summary.values()) else 1)
+
+
+@_pipeline_bench("move-cost")
+def bench_move_cost(
+    shared: SharedOptions,
+    windows: Annotated[str, typer.Option(help="Window sizes W in ms (state sizes).")] = "2000,10000,30000",
+    rate: Annotated[float, typer.Option(help="Input tuples/s in total.")] = 4000,
+) -> None:
+    """Pause of a moved pid and latency of the others, per handoff mode and window, vs a query restart."""
+    from bench.move_cost import run_move_cost_bench
+
+    wanted = _numbers(windows, "--windows", int)
+    summary = run_move_cost_bench(shared.cfg, wanted, rate, say=shared.say)
+    print(json.dumps(summary) if shared.json else json.dumps(summary, indent=2))
+
+
+@_pipeline_bench("convergence")
+def bench_convergence(
+    shared: SharedOptions,
+    delta_min: Annotated[str, typer.Option(help="Flux delta_min values to sweep, seconds.")] = "1,4,16",
+    rate: Annotated[float, typer.Option(help="Input tuples/s in total.")] = 2000,
+    shift: Annotated[float, typer.Option(help="Seconds until the hot pids change (run = twice this).")] = 90,
+    instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
+    cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.25,
+    key_seconds: KeySecondsOpt = 1.0,
+) -> None:
+    """Flux after a load shift: rounds and seconds until balanced, moves per minute, imbalance."""
+    from bench.convergence import CONVERGENCE_SERIES, run_convergence_bench
+
+    wanted = _numbers(delta_min, "--delta-min", float)
+    summary = run_convergence_bench(shared.cfg, wanted, rate, shift, instances, cpu, key_seconds, shared.say)
+    compact = {d: {k: v for k, v in p.items() if k not in CONVERGENCE_SERIES} for d, p in summary.items()}
+    print(json.dumps(compact) if shared.json else json.dumps(summary, indent=2))
+
+
+@_pipeline_bench("soak")
+def bench_soak(
+    shared: SharedOptions,
+    moves: Annotated[int, typer.Option(help="Random moves to make.")] = 100,
+    seed: Annotated[int, typer.Option(help="Seed of the random choices.")] = 7,
+) -> None:
+    """Random moves (all three modes) under faults, then the oracle: kill -9s of the controller and of
+    instances, instances frozen past the heartbeat timeout and let go, a second controller, the control
+    topic truncated below its newest snapshot. The JSON counts each kind of fault injected."""
+    from bench.run import new_run
+    from bench.soak import SoakPlan, run_soak, soak_config
+    from local import kafka_runtime
+
+    name, work = new_run(shared.cfg, "soak")
+    soak_cfg = soak_config(shared.cfg, name, seconds=max(600.0, 30.0 * moves))
+    plan = SoakPlan(
+        moves=moves,
+        seed=seed,
+        kill_controller_every=5,
+        kill_instance_every=8,
+        freeze_instance_every=7,
+        second_controller_every=6,
+        truncate_control_every=4,
+    )
+    with kafka_runtime.broker_unless(shared.cfg.bootstrap) as address:
+        report, done = run_soak(soak_cfg, address, work, plan, shared.say)
+    summary = {**done, **report.as_dict(), "seed": seed, "pipeline": name}
+    print(json.dumps(summary) if shared.json else report.describe())
+    raise typer.Exit(0 if report.exact else 1)
+
+
+@bench_app.command("fold")
+def bench_fold(
+    bootstrap: BootstrapOpt = None,
+    moves: Annotated[int, typer.Option(help="Moves in the synthetic control log.")] = 15_000,
+    broker: Annotated[bool, typer.Option(help="Also catch up with the log from a real topic.")] = True,
+) -> None:
+    """What a restart costs on a long control log: fold and decode times of `--moves` moves (about 6.7
+    messages each), and with a broker a reader's catch-up of them from a control topic."""
+    from bench.fold import run
+    from local import kafka_runtime
+
+    cfg = read_config(None, None, bootstrap)
+    try:
+        if not broker:
+            print(json.dumps(run(moves), indent=2))
+            return
+        with kafka_runtime.broker_unless(cfg.bootstrap) as address:
+            print(json.dumps(run(moves, address), indent=2))
+    except user_errors() as exc:
+        fail(str(exc))
+
+
+@bench_app.command("generator")
+def bench_generator(
+    bootstrap: BootstrapOpt = None,
+    tuples: Annotated[int, typer.Option(help="Tuples per run.")] = 2_000_000,
+    runs: Annotated[int, typer.Option(help="Runs per message size (median reported).")] = 3,
+) -> None:
+    """The generator's max-rate throughput on one core, for several tuples-per-message sizes."""
+    from bench.generator import run_generator_bench
+
+    cfg = read_config(None, None, bootstrap)
+    print(json.dumps(run_generator_bench(broker_address(cfg), tuples=tuples, runs=runs), indent=2))

@@ -1,0 +1,243 @@
+"""The commands that run a part of the pipeline until it ends or is stopped: the generator, a join
+instance, the controller and the Kubernetes operator, and the demo that runs them all on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fluxjoin.options import (
+    BootstrapOpt,
+    ConfigOpt,
+    JsonOpt,
+    ModeOpt,
+    SetOpt,
+    broker_address,
+    fail,
+    handoff_mode,
+    read_config,
+    user_errors,
+)
+from pipeline.health import DEFAULT_METRICS_PORT, STALL_TIMEOUT_S
+
+
+def generate(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOpt = None) -> None:
+    """Produce Poisson streams to the input topics (keyed and partitioned by pid).
+
+    SIGINT or SIGTERM ends the run early and cleanly: what was produced is flushed and acknowledged."""
+    from generator.producer import run_generator
+
+    cfg = read_config(config, set_, bootstrap)
+    try:
+        stats = run_generator(cfg, broker_address(cfg), progress=True, stop=_stop_on_signals())
+    except user_errors() as exc:
+        fail(str(exc))
+    print(json.dumps(stats))
+
+
+def instance(
+    name: Annotated[str, typer.Option(help="Instance id, e.g. instance-0.")],
+    pids: Annotated[
+        str | None,
+        typer.Option(help="Static pids (ranges and lists, e.g. 0-20,40) when no controller assigns them."),
+    ] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bootstrap: BootstrapOpt = None,
+    metrics_port: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=65535,
+            help="Port of /metrics, /healthz and /readyz (0: no server; give each instance on one machine "
+            "its own port, or 0).",
+        ),
+    ] = DEFAULT_METRICS_PORT,
+    stall_timeout: Annotated[
+        float,
+        typer.Option(min=1.0, help="Seconds without query progress (or to start it) before /healthz fails."),
+    ] = STALL_TIMEOUT_S,
+) -> None:
+    """Run one join instance (a Spark Structured Streaming query) until interrupted."""
+    from pipeline.health import MetricsPortError
+    from pipeline.instance import parse_pids, run_instance
+
+    cfg = read_config(config, set_, bootstrap)
+    try:
+        owned = parse_pids(pids, cfg.partitions) if pids is not None else None
+    except ValueError as exc:
+        fail(str(exc))
+    errors: tuple[type[Exception], ...] = (*user_errors(), MetricsPortError)
+    try:
+        run_instance(
+            cfg, broker_address(cfg), name, owned, metrics_port=metrics_port, stall_timeout_s=stall_timeout
+        )
+    except errors as exc:
+        fail(str(exc))
+
+
+def demo(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bootstrap: BootstrapOpt = None,
+    json_: JsonOpt = False,
+    duration: Annotated[float, typer.Option(help="Seconds of input to generate.")] = 150.0,
+    policy: Annotated[str, typer.Option(help="Controller policy: flux, static or memory.")] = "flux",
+) -> None:
+    """Embedded Kafka, generator, controller, N instances, live view, verification and a report."""
+    from controller.policies import POLICIES
+    from local.demo import DEMO_DEFAULTS, run_demo
+
+    if policy not in POLICIES:
+        fail(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    cfg = read_config(config, [*DEMO_DEFAULTS, *(set_ or [])], bootstrap)
+    try:
+        summary = run_demo(cfg, duration_s=duration, json_output=json_, policy=policy)
+    except user_errors() as exc:
+        fail(str(exc))
+    if json_:
+        print(json.dumps(summary))
+    raise typer.Exit(0 if summary.get("exact") else 1)
+
+
+def controller(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bootstrap: BootstrapOpt = None,
+    policy: Annotated[str, typer.Option(help="static, flux or memory.")] = "flux",
+    mode: ModeOpt = "transfer",
+    heartbeat_timeout: Annotated[float, typer.Option(help="Seconds without a heartbeat = dead.")] = 10.0,
+    dry_run: Annotated[bool, typer.Option(help="Print decisions, move nothing.")] = False,
+    policy_param: Annotated[
+        list[str] | None,
+        typer.Option(help="A policy parameter, e.g. delta_min_s=1.0 or th_imb=1.5 (repeatable)."),
+    ] = None,
+    decisions: Annotated[
+        Path | None,
+        typer.Option(help="Append each policy round's decision to this file, one JSON object a line."),
+    ] = None,
+) -> None:
+    """Run the controller: policy rounds, pid moves, recovery of dead instances."""
+    from controller.policies import POLICIES
+    from controller.policies.params import policy_params
+    from controller.runner import run_controller
+
+    cfg = read_config(config, set_, bootstrap)
+    if policy not in POLICIES:
+        fail(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    try:
+        settings = {k: float(v) for k, v in (item.split("=", 1) for item in policy_param or [])}
+        params = policy_params(policy, handoff_mode(mode), **settings)
+    except (ValueError, TypeError) as exc:
+        fail(f"--policy-param: {exc}")
+    from controller.moves.kafka_mover import ControllerFenced
+    from pipeline.control import FENCED_EXIT_STATUS
+
+    stopping = _stop_on_signals()
+    try:
+        run_controller(
+            cfg,
+            broker_address(cfg),
+            policy,
+            params,
+            heartbeat_timeout,
+            dry_run,
+            stopping.is_set,
+            _say_with_time,
+            decisions,
+        )
+    except ControllerFenced as exc:
+        fail(str(exc), FENCED_EXIT_STATUS)
+    except user_errors() as exc:
+        fail(str(exc))
+
+
+def _say_with_time(line: str) -> None:
+    """A controller line, prefixed with the wall-clock time: a log of moves is read as a timeline."""
+    print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
+
+
+def _stop_on_signals() -> threading.Event:
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    return stopping
+
+
+def operator_command(
+    namespace: Annotated[
+        str | None,
+        typer.Option(envvar="FLUXJOIN_NAMESPACE", help="Namespace to reconcile (default: the pod's own)."),
+    ] = None,
+    lease_name: Annotated[
+        str, typer.Option(envvar="FLUXJOIN_LEASE_NAME", help="Lease for leader election.")
+    ] = "fluxjoin-operator",
+    leader_election: Annotated[
+        bool, typer.Option(envvar="FLUXJOIN_LEADER_ELECTION", help="Reconcile only while holding the Lease.")
+    ] = True,
+    identity: Annotated[
+        str | None,
+        typer.Option(envvar="FLUXJOIN_POD_NAME", help="Holder name in the Lease (default: the host name)."),
+    ] = None,
+    kubeconfig: Annotated[
+        Path | None, typer.Option(help="Kubeconfig file (default: the in-cluster service account).")
+    ] = None,
+    instance_image: Annotated[
+        str | None,
+        typer.Option(envvar="FLUXJOIN_INSTANCE_IMAGE", help="Image of instances whose spec names none."),
+    ] = None,
+    image_pull_policy: Annotated[
+        str, typer.Option(envvar="FLUXJOIN_IMAGE_PULL_POLICY", help="Pull policy of instance pods.")
+    ] = "IfNotPresent",
+    image_pull_secrets: Annotated[
+        str, typer.Option(envvar="FLUXJOIN_IMAGE_PULL_SECRETS", help="Pull secrets of instance pods, a,b.")
+    ] = "",
+    metrics_port: Annotated[
+        int, typer.Option(envvar="FLUXJOIN_METRICS_PORT", help="Port of /metrics and /healthz.")
+    ] = 9108,
+    scrape_annotations: Annotated[
+        bool, typer.Option(envvar="FLUXJOIN_SCRAPE_ANNOTATIONS", help="prometheus.io/* on instance pods.")
+    ] = True,
+    log_level: Annotated[
+        str, typer.Option(envvar="FLUXJOIN_LOG_LEVEL", help="debug, info, warning or error.")
+    ] = "info",
+) -> None:
+    """Reconcile JoinPipelines in one namespace: the Kubernetes operator the Helm chart runs."""
+    import logging
+    import socket
+
+    from controller.k8s.main import (
+        OperatorConfigError,
+        OperatorOptions,
+        default_namespace,
+        run_operator,
+    )
+    from controller.k8s.spec import InstanceSettings
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = OperatorOptions(
+        namespace=namespace or default_namespace(),
+        identity=identity or socket.gethostname(),
+        leader_election=leader_election,
+        lease_name=lease_name,
+        kubeconfig=kubeconfig,
+        metrics_port=metrics_port,
+        instance=InstanceSettings(
+            image=instance_image,
+            pull_policy=image_pull_policy,
+            pull_secrets=tuple(s for s in image_pull_secrets.split(",") if s),
+            metrics_port=metrics_port,
+            scrape_annotations=scrape_annotations,
+        ),
+    )
+    try:
+        run_operator(options)
+    except OperatorConfigError as exc:
+        fail(str(exc))

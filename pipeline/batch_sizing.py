@@ -1,0 +1,146 @@
+"""How much input the source's next batch takes: whole pids round robin within a bound of input
+messages and of the results they make (decisions 0045, 0055), and how fast input arrives (whether the
+instance is behind).
+
+Pure (no Kafka, no Spark): the source hands it the offsets it fetched and the recent yields the sink
+noted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+Offsets = dict[str, dict[str, int]]  # stream -> str(pid) -> next offset to read
+
+RESULTS_HEADROOM = 3.0
+"""Batches are planned at a third of `max_results`: while a pid's window fills (its first batches, or
+after a move), each new tuple finds more partners than the last batch's did. With two streams a batch
+that starts from an empty window makes up to three times as many results per tuple once the window
+holds as many tuples as the batch (twice from the window, once from each other); measured: 3.1x."""
+
+
+def results_of(tuples: float, recent: Sequence[tuple[int, int]], streams: int) -> float:
+    """About the most results `tuples` new tuples of one pid make, judged by its recent batches
+    (decision 0055). A pid never seen: the worst case, every tuple on one key within W, (n/m)^m."""
+    if not recent:
+        return float((tuples / streams) ** streams)
+    return max((_judged_by(tuples, t, r, streams) for t, r in recent if t), default=0.0)
+
+
+def _judged_by(n: float, t: int, r: int, streams: int) -> float:
+    """The results of n tuples, judged by a batch of t tuples that made r: (r+1)/t per tuple (+1: a
+    batch without results does not make the next one free) up to t tuples. Beyond t, a batch's tuples
+    also join each other, so the lesser of two bounds that each hold: results per tuple growing as
+    (n/t)^(m-1), as they do while the batch spans less than W (right where results came from within
+    the batch), or the same per tuple plus the worst the batch can make within itself, (n/m)^m (right
+    where they came from the window: a hot key's full window)."""
+    per_tuple = (r + 1) / t
+    if n <= t:
+        return per_tuple * n
+    return min(per_tuple * n * (n / t) ** (streams - 1), per_tuple * n + (n / streams) ** streams)
+
+
+def tuples_within(results: float, recent: Sequence[tuple[int, int]], streams: int) -> float:
+    """The most new tuples of one pid whose `results_of` stays within `results` (found by bisection:
+    `results_of` grows with the tuples)."""
+    if results <= 0:
+        return 0.0
+    low, high = 0.0, 1.0
+    while results_of(high, recent, streams) <= results and high < 1e15:
+        low, high = high, 2 * high
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if results_of(middle, recent, streams) <= results else (low, middle)
+    return low
+
+
+@dataclass(frozen=True, slots=True)
+class BatchBound:
+    """What bounds a batch: `messages` input messages, about `results` results (`results_of` per pid,
+    from `yields`), `per_message` tuples a message (sampled), `streams` joined."""
+
+    messages: float
+    results: float
+    per_message: float
+    streams: int
+    yields: Mapping[int, Sequence[tuple[int, int]]]
+
+
+def pids_within(
+    start: Offsets, latest: Offsets, bound: BatchBound, first_pid: int
+) -> tuple[Offsets, int | None]:
+    """End offsets of a batch within `bound`, taking whole pids (every stream of a pid up to its latest
+    offset) round robin from `first_pid`; returns them and the pid to start from next time (None when
+    every pid was taken whole). A first pid that alone is over the bound is cut: each of its streams
+    the same share of its backlog (at least one message in all); the next batch begins with the pid
+    after it, so a hot pid's backlog takes one slice a round and never holds the others back.
+
+    Whole pids keep a pid's streams close in event time: cutting each stream's backlog separately lets
+    a sparse stream run seconds ahead of a dense one, and the window then holds the sparse stream's
+    tuples until the dense one catches up (lateness does not depend on it, decision 0047). Results do
+    not depend on where a batch ends, so a cut pid's output is the same.
+    """
+    streams = list(latest)
+    pids = sorted(int(p) for p in latest[streams[0]])
+    if not pids:
+        return latest, None
+    order = [p for p in pids if p >= first_pid] + [p for p in pids if p < first_pid]
+    out: Offsets = {
+        s: {str(p): start.get(s, {}).get(str(p), latest[s][str(p)]) for p in pids} for s in streams
+    }
+    messages, results, taken = bound.messages, bound.results, False
+    for i, p in enumerate(order):
+        backlog = {s: latest[s][str(p)] - out[s][str(p)] for s in streams}
+        size = sum(backlog.values())
+        if not size:
+            continue
+        recent = bound.yields.get(p, ())
+        fits = min(messages, tuples_within(results, recent, bound.streams) / bound.per_message)
+        if size <= fits:
+            for s in streams:
+                out[s][str(p)] = latest[s][str(p)]
+            messages -= size
+            results -= results_of(size * bound.per_message, recent, bound.streams)
+            taken = True
+            continue
+        if taken:  # this pid waits for the next batch
+            return out, p
+        for s, n in _shares(backlog, max(1, int(fits))).items():
+            out[s][str(p)] += n
+        return out, order[(i + 1) % len(order)]
+    return out, None
+
+
+def _shares(backlog: Mapping[str, int], total: int) -> dict[str, int]:
+    """`total` messages spread over the streams in proportion to their backlogs (largest remainders
+    first): a slice of a few messages would lose most of itself to rounding each stream down."""
+    size = sum(backlog.values())
+    exact = {s: n * total / size for s, n in backlog.items()}
+    out = {s: int(x) for s, x in exact.items()}
+    for s in sorted(exact, key=lambda s: exact[s] - out[s], reverse=True)[: total - sum(out.values())]:
+        out[s] += 1
+    return out
+
+
+@dataclass(slots=True)
+class ArrivalMeter:
+    """Messages appended to an instance's pids per second, measured between two batch plans (the
+    latest offsets the source fetches anyway)."""
+
+    seen_at: float | None = None
+    seen: dict[tuple[str, str], int] = field(default_factory=dict)
+    rate: float | None = None  # messages per second; None until two plans have been seen
+
+    def observe(self, latest: Offsets, now: float) -> None:
+        common = [(s, p) for s in latest for p in latest[s] if (s, p) in self.seen]
+        if self.seen_at is not None and now > self.seen_at and common:
+            grown = sum(latest[s][p] - self.seen[(s, p)] for s, p in common)
+            self.rate = max(0, grown) / (now - self.seen_at)
+        self.seen = {(s, p): o for s in latest for p, o in latest[s].items()}
+        self.seen_at = now
+
+    def behind(self, waiting: int, horizon_s: float) -> bool:
+        """True when the `waiting` messages exceed what arrives in `horizon_s` seconds; never while the
+        rate is unknown."""
+        return self.rate is not None and waiting > self.rate * horizon_s
