@@ -18,11 +18,10 @@ RUN apt-get update \
     fi
 ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_DEFAULT_TIMEOUT=180
 RUN python3 -m venv /opt/fluxjoin
-# Dependencies first, so a code change does not rebuild the PySpark wheel.
+# Dependencies first, from the hashed lock, so a code change does not rebuild the PySpark wheel.
+COPY requirements.lock /src/requirements.lock
+RUN /opt/fluxjoin/bin/pip install --no-cache-dir --require-hashes -r /src/requirements.lock
 COPY pyproject.toml /src/pyproject.toml
-RUN cd /src && mkdir pipeline generator controller bench local fluxjoin && touch README.md \
-    && /opt/fluxjoin/bin/pip install --no-cache-dir . \
-    && /opt/fluxjoin/bin/pip uninstall -y fluxjoin
 COPY README.md /src/README.md
 COPY pipeline /src/pipeline
 COPY generator /src/generator

@@ -69,7 +69,7 @@ def run_controller(
                 say("controller: Kafka is back; resumed from the control log")
                 continue
             if decision is not None:
-                if rounds.last_snapshot is not None:
+                if rounds.last_snapshot is not None and rounds.last_snapshot.instances:
                     say(f"policy {policy_name} read {rounds.last_snapshot.describe()}")
                 for move in decision.moves:
                     what = f"pid {move.pid} {move.source} -> {move.target}"

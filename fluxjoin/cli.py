@@ -18,7 +18,11 @@ from fluxjoin.benchmarks import bench_app
 from fluxjoin.operations import kafka_app
 from fluxjoin.options import fail
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.split("\n")[0])
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="fluxjoin: an adaptive, partitioned windowed stream join on Kafka and Spark.",
+)
 
 
 @app.callback()
