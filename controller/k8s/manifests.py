@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from controller.k8s.resource import CaSecret, ClientCertSecret, KafkaSecurity, PasswordSecret
 from controller.k8s.spec import API_VERSION, FIELD_MANAGER, KIND, WORK_DIR, InstanceSettings, PipelineSpec
 from controller.scaling import ordinal_of
 from pipeline.config import Config
@@ -200,26 +201,26 @@ def kafka_credentials(security: Mapping[str, Any]) -> tuple[list[dict[str, Any]]
     def put(variable: str, value: str) -> None:
         env.append({"name": f"FLUXJOIN_KAFKA_{variable}", "value": value})
 
-    def secret_file(variable: str, secret: Mapping[str, Any] | None, key: str, path: str) -> None:
-        if secret and secret.get("name"):
-            items.append({"secret": {"name": secret["name"], "items": [{"key": key, "path": path}]}})
+    def secret_file(variable: str, secret_name: str | None, key: str, path: str) -> None:
+        if secret_name:
+            items.append({"secret": {"name": secret_name, "items": [{"key": key, "path": path}]}})
             put(variable, f"{KAFKA_CREDENTIALS_DIR}/{path}")
 
-    protocol = security.get("protocol", "PLAINTEXT")
-    if protocol == "PLAINTEXT":
+    given = KafkaSecurity.model_validate(security)  # its defaults: the protocol, the Secrets' keys
+    if given.protocol == "PLAINTEXT":
         return env, None
-    put("SECURITY_PROTOCOL", protocol)
-    if security.get("saslMechanism"):
-        put("SASL_MECHANISM", security["saslMechanism"])
-    if security.get("username"):
-        put("SASL_USERNAME", security["username"])
-    password = security.get("passwordSecret") or {}
-    secret_file("SASL_PASSWORD_FILE", password, password.get("key", "password"), "password")
-    ca = security.get("caSecret") or {}
-    secret_file("SSL_CA_FILE", ca, ca.get("key", "ca.crt"), "ca.crt")
-    client = security.get("clientCertSecret") or {}
-    secret_file("SSL_CERT_FILE", client, client.get("certKey", "user.crt"), "user.crt")
-    secret_file("SSL_KEY_FILE", client, client.get("keyKey", "user.key"), "user.key")
+    put("SECURITY_PROTOCOL", given.protocol)
+    if given.sasl_mechanism:
+        put("SASL_MECHANISM", given.sasl_mechanism)
+    if given.username:
+        put("SASL_USERNAME", given.username)
+    password = given.password_secret or PasswordSecret()
+    secret_file("SASL_PASSWORD_FILE", password.name, password.key, "password")
+    ca = given.ca_secret or CaSecret()
+    secret_file("SSL_CA_FILE", ca.name, ca.key, "ca.crt")
+    client = given.client_cert_secret or ClientCertSecret()
+    secret_file("SSL_CERT_FILE", client.name, client.cert_key, "user.crt")
+    secret_file("SSL_KEY_FILE", client.name, client.key_key, "user.key")
     volume = (
         {"name": "kafka-credentials", "projected": {"sources": items, "defaultMode": 0o440}}
         if items

@@ -2,17 +2,19 @@
 Deployment gives for instance pods.
 
 Apart from the rendering (`controller.k8s.manifests`) and the status (`controller.k8s.status`) because
-both read it, as do the reconciler and the `PidMover`. Pure: it knows the CRD's field names and defaults,
-and calls neither the API server nor Kafka.
+both read it, as do the reconciler and the `PidMover`. Pure: the spec's fields, limits and defaults are
+the schema of `controller.k8s.resource` (from which the CRD is generated); calls neither the API server
+nor Kafka.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from controller.assignment import HandoffMode
+from controller.k8s.resource import JoinPipelineSpec
 from controller.policies.params import policy_params
 from controller.scaling import instance_name
 from pipeline.config import Config, InstanceConfig, TopicsConfig
@@ -23,28 +25,15 @@ API_VERSION = f"{GROUP}/{VERSION}"
 FINALIZER = "fluxjoin.io/cleanup"
 FIELD_MANAGER = "fluxjoin-operator"
 WORK_DIR = "/var/lib/fluxjoin/work"
-POLICY_FIELDS = {
-    "flux": {
-        "thImb": "th_imb",
-        "thUtil": "th_util",
-        "deltaS": "delta_s",
-        "deltaMinS": "delta_min_s",
-        "maxMovesPerPair": "max_moves_per_pair",
-        "minMoveShare": "min_move_share",
-        "donorCost": "donor_cost",
-        "phaseInterval": "phase_interval",
-    },
-    "memory": {"thetaD": "theta_d", "minSpanS": "min_span_s"},
-}
-"""spec.policy.<name>.<field> -> the parameter of that policy it sets."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineSpec:
-    """One JoinPipeline as the operator and a `PidMover` need it; defaults are the CRD's.
+    """One JoinPipeline as the operator and a `PidMover` need it, read through the CRD's schema
+    (`controller.k8s.resource.JoinPipelineSpec`, whose defaults fill in what the object leaves out).
 
-    The API server fills in the CRD's defaults, so they matter here only for objects written before a
-    field existed.
+    The API server fills in the CRD's defaults, so the model's matter only for objects written before a
+    field existed (and for parts the CRD gives no default, such as `liveness`).
     """
 
     name: str
@@ -59,83 +48,59 @@ class PipelineSpec:
     handoff_mode: HandoffMode
     bootstrap_servers: str
     topic_prefix: str
-    instance: InstanceConfig = field(default_factory=InstanceConfig)
-    image: str | None = None
-    resources: Mapping[str, Any] = field(default_factory=dict)
-    checkpoint_size: str = "5Gi"
-    storage_class: str | None = None
-    policy: str = "flux"
-    policy_settings: Mapping[str, float] = field(default_factory=dict)
+    instance: InstanceConfig
+    image: str | None
+    resources: Mapping[str, Any]
+    checkpoint_size: str
+    storage_class: str | None
+    policy: str
+    policy_settings: Mapping[str, float]
     """The policy's parameters set in the spec, by their `controller.policies` field names."""
-    heartbeat_timeout_s: float = 10.0
-    restart_grace_s: float = 300.0
-    topics: TopicsConfig = field(default_factory=TopicsConfig)
-    kafka_security: Mapping[str, Any] = field(default_factory=dict)
-    """spec.kafka.security: how the instances log in to Kafka (`kafka_credentials`)."""
-    drain_timeout_s: float = 0.0
+    heartbeat_timeout_s: float
+    restart_grace_s: float
+    topics: TopicsConfig
+    kafka_security: Mapping[str, Any]
+    """spec.kafka.security as set: how the instances log in to Kafka (`kafka_credentials`)."""
+    drain_timeout_s: float
     """How long a stopping instance pod waits for its pids to be moved away (spec.liveness
     plannedRestart `drain`, decision 0056); 0: it stops at once and resumes on return (`resume`)."""
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> PipelineSpec:
-        meta, spec = obj["metadata"], obj.get("spec", {})
-        instance = spec.get("instance", {})
-        checkpoint = spec.get("checkpoint", {})
-        kafka = spec["kafka"]
-        mode = spec.get("handoffMode", HandoffMode.TRANSFER.value)
-        supported = [m.value for m in HandoffMode]
-        if mode not in supported:
-            raise ValueError(
-                f"spec.handoffMode {mode!r} is not supported by this operator: use one of {supported}"
-            )
-        policy = spec.get("policy", {})
-        policy_name = policy.get("name", "flux")
-        liveness, topics = spec.get("liveness", {}), kafka.get("topics", {})
-        drain_timeout_s = (
-            int(liveness.get("drainTimeoutSeconds", 120)) if liveness.get("plannedRestart") == "drain" else 0
-        )
-        fields = POLICY_FIELDS.get(policy_name, {})
-        given = policy.get(policy_name, {})
+        """The pipeline of a JoinPipeline object. ValueError names each field the schema refuses, a
+        handoff mode this operator does not support, and settings the pipeline's configuration refuses."""
+        meta = obj["metadata"]
+        spec = JoinPipelineSpec.read(obj.get("spec", {}))
+        liveness, kafka = spec.liveness, spec.kafka
+        drain_timeout_s = liveness.drain_timeout_seconds if liveness.planned_restart == "drain" else 0
         return cls(
             name=meta["name"],
             namespace=meta["namespace"],
             uid=meta["uid"],
             generation=int(meta.get("generation", 0)),
-            streams=tuple(spec.get("streams", ("A", "B", "C"))),
-            window_ms=int(spec.get("windowMs", 10_000)),
-            allowed_lateness_ms=int(spec.get("allowedLatenessMs", 2_000)),
-            partitions=int(spec.get("partitions", 64)),
-            replicas=int(spec.get("replicas", 3)),
-            handoff_mode=HandoffMode(mode),
-            bootstrap_servers=kafka["bootstrapServers"],
-            kafka_security=kafka.get("security", {}),
-            topics=TopicsConfig(
-                create=bool(topics.get("create", True)),
-                replication_factor=int(topics.get("replicationFactor", -1)),
-                min_insync_replicas=topics.get("minInsyncReplicas"),
-                retention_ms=topics.get("retentionMs"),
-            ),
+            streams=tuple(spec.streams),
+            window_ms=spec.window_ms,
+            allowed_lateness_ms=spec.allowed_lateness_ms,
+            partitions=spec.partitions,
+            replicas=spec.replicas,
+            handoff_mode=spec.handoff_mode,
+            bootstrap_servers=kafka.bootstrap_servers,
+            kafka_security=kafka.security.model_dump(by_alias=True, exclude_unset=True),
+            topics=TopicsConfig(**kafka.topics.model_dump()),
             # Topics and transactional ids derive from the prefix: namespaced, so that pipelines of one
             # name in two namespaces never share a topic or fence each other's transactions.
-            topic_prefix=kafka.get("topicPrefix") or f"{meta['namespace']}.{meta['name']}",
+            topic_prefix=kafka.topic_prefix or f"{meta['namespace']}.{meta['name']}",
             instance=InstanceConfig(
-                trigger_ms=int(instance.get("triggerMs", 500)),
-                max_rows_per_batch=int(instance.get("maxRowsPerBatch", 200_000)),
-                max_results_per_batch=int(instance.get("maxResultsPerBatch", 4_000_000)),
-                shuffle_partitions=int(instance.get("shufflePartitions", 2)),
-                spark_master=instance.get("sparkMaster", "local[2]"),
-                driver_memory=instance.get("driverMemory", "1g"),
-                work_dir=WORK_DIR,
-                drain_timeout_s=drain_timeout_s,
+                **spec.instance.model_dump(), work_dir=WORK_DIR, drain_timeout_s=drain_timeout_s
             ),
-            image=spec.get("image"),
-            resources=spec.get("resources", {}),
-            checkpoint_size=str(checkpoint.get("size", "5Gi")),
-            storage_class=checkpoint.get("storageClassName") or None,
-            policy=policy_name,
-            policy_settings={fields[k]: float(v) for k, v in given.items() if k in fields},
-            heartbeat_timeout_s=float(liveness.get("heartbeatTimeoutSeconds", 10)),
-            restart_grace_s=float(liveness.get("restartGraceSeconds", 300)),
+            image=spec.image,
+            resources=spec.resources.model_dump(by_alias=True, exclude_unset=True),
+            checkpoint_size=str(spec.checkpoint.size),
+            storage_class=spec.checkpoint.storage_class_name or None,
+            policy=spec.policy.name,
+            policy_settings={k: float(v) for k, v in spec.policy.settings().items()},
+            heartbeat_timeout_s=float(liveness.heartbeat_timeout_seconds),
+            restart_grace_s=float(liveness.restart_grace_seconds),
             drain_timeout_s=float(drain_timeout_s),
         )
 

@@ -256,7 +256,7 @@ def test_invalid_pipeline_is_rejected_with_the_validation_messages(
         ({"streams": ["A"]}, "should have at least 2 items"),
         ({"streams": ["A", "A"]}, "Duplicate value"),
         ({"streams": ["A", "1x"]}, "should match"),
-        ({"handoffMode": "teleport"}, 'supported values: "transfer", "parallel_track", "replay"'),
+        ({"handoffMode": "teleport"}, 'supported values: "transfer", "replay", "parallel_track"'),
         ({"policy": {"name": "flux", "flux": {"deltaS": 0.1, "deltaMinS": 0.5}}}, "deltaMinS must be <="),
         ({"partitions": 5000}, "should be less than or equal to 4096"),
         ({"kafka": {"bootstrapServers": "no-port"}}, "spec.kafka.bootstrapServers"),

@@ -41,7 +41,7 @@ def _one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 def test_crd_copies_are_identical() -> None:
     assert PLAIN_CRD.read_bytes() == CHART_CRD.read_bytes(), (
         f"{PLAIN_CRD.relative_to(REPO)} differs from {CHART_CRD.relative_to(REPO)}: "
-        "edit the chart's copy and `cp` it over"
+        "both are generated: run `python -m controller.k8s.crd`"
     )
 
 
