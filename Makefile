@@ -2,7 +2,8 @@
 #
 #   make setup   .venv with the package (editable) and the dev tools; re-installs only when pyproject.toml
 #                changed since the last install
-#   make lint    ruff check, ruff format --check, mypy, lint-imports (the layers in pyproject.toml)
+#   make lint    ruff check, ruff format --check, mypy, lint-imports (the layers in pyproject.toml), and
+#                the CRD and chart schema against the model they are generated from
 #   make test    setup, Docker for the broker container (scripts/ensure-docker.sh), the Kubernetes test
 #                tools (scripts/ensure-k8s-tools.sh), lint, all tests
 #   make demo    the local demo: embedded Kafka, generator, instances, live view, report
@@ -42,6 +43,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-logo --no-cache
+	$(BIN)/python -m controller.k8s.crd --check
 
 test: setup
 	scripts/ensure-docker.sh

@@ -578,7 +578,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         stale.append(relative)
         if not args.check:
             path.write_text(text)
-    verb = "differs from the generated text" if args.check else "written"
+    verb = (
+        "differs from the generated text (change controller/k8s/resource.py; python -m controller.k8s.crd)"
+        if args.check
+        else "written"
+    )
     for relative in stale:
         print(f"{relative}: {verb}")
     return 1 if args.check and stale else 0
