@@ -52,7 +52,8 @@ def pipeline_status(cfg: Config, bootstrap: str, listen_s: float = 3.0) -> dict[
                 "pids": sorted(p for p, o in a.owners.items() if o == name),
                 "busy": round(busy_fraction(described_by(history, now_ms - 10_000)), 3),
                 "tuples_per_s": sum(b["tuples_in"] for b in recent) / 10,
-                "state_bytes": sum(s["state_bytes"] for s in recent[-1]["pids"].values()) if recent else 0,
+                "state_bytes": history[-1].get("state_bytes", 0) if history else 0,
+                "state_budget_bytes": history[-1].get("state_budget_bytes", 0) if history else 0,
                 "lag": sum(history[-1].get("lag", {}).values()) if history else None,
             }
         )
@@ -86,7 +87,8 @@ def describe_status(status: dict[str, Any]) -> str:
     ]
     for i in status["instances"]:
         lag = "-" if i["lag"] is None else f"{i['lag']:,}"
-        load = f"{i['busy']:>5.2f}  {i['tuples_per_s']:>9,.0f}  {i['state_bytes'] / 1e6:>8.1f}  {lag:>7}"
+        state = f"{i['state_bytes'] / 1e6:.1f}/{i['state_budget_bytes'] / 1e6:.0f}"
+        load = f"{i['busy']:>5.2f}  {i['tuples_per_s']:>9,.0f}  {state:>15}  {lag:>7}"
         alive = "yes" if i["alive"] else "no"
         lines.append(f"{i['instance']:<14}{alive:<7}{len(i['pids']):>5}  {load}  {pid_ranges(i['pids'])}")
     for m in status["moves"]:

@@ -1,5 +1,5 @@
 """The commands that look after a pipeline and its Kafka cluster: the embedded broker (`fluxjoin kafka`),
-a pipeline's verification, moves by hand, its topics, ACLs and status.
+a pipeline's verification, moves and state budgets by hand, its topics, ACLs and status.
 """
 
 from __future__ import annotations
@@ -130,6 +130,44 @@ def move(
         return
     for p, owner in owners.items():  # the owners of record: the target may have died during a move
         print(f"done: pid {p} is processed by {owner}" + ("" if owner == to else f", not {to}"))
+
+
+def budget(
+    instance: Annotated[str, typer.Argument(help="The instance, e.g. instance-0.")],
+    size: Annotated[
+        str, typer.Argument(help="Bytes its windows may hold: 256m, 1g, 500000; 0 returns to the configured.")
+    ],
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bootstrap: BootstrapOpt = None,
+) -> None:
+    """Set how much window state an instance may hold, while it runs (from its next batch on; it outlives
+    the instance's restarts). The controller's memory policies move state away from an instance over its
+    budget."""
+    from confluent_kafka import Producer
+
+    from pipeline.config import spark_bytes
+    from pipeline.control import publish
+    from pipeline.kafka_client import kafka_config
+    from pipeline.protocol import BudgetMsg
+
+    cfg = read_config(config, set_, bootstrap)
+    try:
+        msg = BudgetMsg(instance=instance, state_budget_bytes=spark_bytes(size))
+    except ValueError:
+        fail(f"{size!r} is not a size (256m, 1g, or bytes)")
+    address = _reachable(cfg)
+    producer = Producer(kafka_config(address))
+    publish(producer, cfg.control_topic, msg)
+    if producer.flush(30):
+        fail(f"the budget did not reach Kafka at {address} within 30 s", EXIT_UNREACHABLE)
+    configured = cfg.instance.state_budget()
+    said = (
+        f"{msg.state_budget_bytes:,} bytes"
+        if msg.state_budget_bytes
+        else f"the configured {configured:,} bytes"
+    )
+    print(f"{instance}: state budget {said}")
 
 
 def topics(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOpt = None) -> None:

@@ -111,7 +111,7 @@ def controller(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     bootstrap: BootstrapOpt = None,
-    policy: Annotated[str, typer.Option(help="static, flux or memory.")] = "flux",
+    policy: Annotated[str, typer.Option(help="static, flux, memory, flux-memory or hybrid.")] = "flux",
     mode: ModeOpt = "transfer",
     heartbeat_timeout: Annotated[float, typer.Option(help="Seconds without a heartbeat = dead.")] = 10.0,
     dry_run: Annotated[bool, typer.Option(help="Print decisions, move nothing.")] = False,

@@ -215,7 +215,11 @@ class InstanceConfig(_Strict):
     # and commit each batch (4 vs 2 on local[2], and 2 vs 1 on local[1]: measured slower; decision 0033).
     shuffle_partitions: int = Field(2, ge=1)
     spark_master: str = "local[2]"
-    driver_memory: str = "1g"
+    driver_memory: str = Field("1g", pattern=r"^[0-9]+[kKmMgGtT]?$")
+    # How many bytes of window state (all its pids' windows) the instance may hold; 0: a quarter of the
+    # driver's heap, where the state store keeps its windows (docs/memory.md says why a quarter). A
+    # budget set while it runs (`fluxjoin budget`) replaces this one.
+    state_budget_bytes: int = Field(0, ge=0)
     work_dir: str = ".fluxjoin"
     # CPU cores each local instance process may use (a cgroup quota, like a pod's CPU limit); None: no limit.
     cpu_limit: float | None = Field(None, gt=0)
@@ -223,6 +227,25 @@ class InstanceConfig(_Strict):
     # others, then stop (decision 0056); 0: stop at once and resume from the checkpoint on return. Only
     # the Kubernetes operator drains a stopping instance: it sets this from spec.liveness.
     drain_timeout_s: int = Field(0, ge=0)
+
+    def state_budget(self) -> int:
+        """The configured state budget in bytes (`state_budget_bytes`, or its default from the heap)."""
+        return self.state_budget_bytes or spark_bytes(self.driver_memory) // HEAP_SHARE_OF_STATE
+
+
+HEAP_SHARE_OF_STATE = 4
+"""The default state budget is the heap over this: the state store keeps, besides the newest version of a
+pid's window, the versions of the last batches (`spark.sql.streaming.maxBatchesToRetainInMemory`, 2), and
+a batch's results are collected in the same heap (docs/memory.md)."""
+
+
+def spark_bytes(size: str) -> int:
+    """Bytes of a JVM memory setting as Spark writes them: 1g, 1536m, 2048k, or plain bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    size = size.strip().lower()
+    if size and size[-1] in units:
+        return int(size[:-1]) * units[size[-1]]
+    return int(size)
 
 
 class TopicsConfig(_Strict):

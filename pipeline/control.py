@@ -280,6 +280,9 @@ class InstanceFollower:
         """Set once the log evicts this incarnation: the instance stops (`FENCED_EXIT_STATUS`) even when
         no batch of its query would meet the sink's fence (it holds no pid, or its query is idle)."""
         self._unseen: bool | None = None  # whether "name@?" was already listed when this incarnation began
+        self.state_budget = cfg.instance.state_budget()
+        """The bytes of window state this instance may hold: set while it runs (`BudgetMsg`), else
+        configured. The sink reports it next to the state its windows hold."""
 
     @property
     def progress(self) -> dict[str, int]:
@@ -304,13 +307,13 @@ class InstanceFollower:
         declared dead as soon as its first heartbeat after the outage arrived (decision 0052)."""
         self._progressed_at = time.monotonic()
 
-    def newest(self) -> AssignmentMsg | None:
-        return self.log.catch_up().assignment
-
     def sync(self) -> None:
         """Write the assignment file if the control log has a newer epoch than the file. Never an older
-        one: the query acts on the file, and an older epoch would give it back pids it has released."""
-        msg = self.newest()
+        one: the query acts on the file, and an older epoch would give it back pids it has released.
+        Take in the state budget the log sets."""
+        view = self.log.catch_up()
+        self.state_budget = view.budgets.get(self.instance) or self.cfg.instance.state_budget()
+        msg = view.assignment
         if msg is None:
             return
         unseen = f"{self.instance}@?" in msg.evicted  # a controller that never heard it evicted the name

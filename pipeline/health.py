@@ -228,7 +228,12 @@ class InstanceMetrics:
         )
         self.state_bytes = Gauge(
             "fluxjoin_instance_state_bytes",
-            "Window state held, newest size of each pid's state summed.",
+            "Window state held: the newest size of each pid's windows, summed over the pids it keeps.",
+            registry=r,
+        )
+        self.state_budget_bytes = Gauge(
+            "fluxjoin_instance_state_budget_bytes",
+            "Window state the instance may hold (configured, or set while it runs with `fluxjoin budget`).",
             registry=r,
         )
         self.lag = Gauge(
@@ -250,7 +255,6 @@ class InstanceMetrics:
             registry=r,
         )
         self._lock = threading.Lock()
-        self._state: dict[str, int] = {}
         self._lagging: set[str] = set()
         self._latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self._latency_sum = 0.0
@@ -276,9 +280,6 @@ class InstanceMetrics:
             self.batch_duration.observe(float(record["duration_s"]))
             self.busy.set(float(record["busy"]))
             self.last_batch_time.set(int(record["time_ms"]) / 1000)
-            for pid, stats in (record.get("pids") or {}).items():
-                self._state[str(pid)] = int(stats["state_bytes"])
-            self._state = {pid: size for pid, size in self._state.items() if size}
             hottest = max(
                 (
                     (pid, stats["hot_key"])
@@ -292,7 +293,8 @@ class InstanceMetrics:
                 self.hot_key.clear()
                 pid, (key, n) = hottest
                 self.hot_key.labels(pid=str(pid), key=str(key)).set(int(n))
-            self.state_bytes.set(sum(self._state.values()))
+            self.state_bytes.set(int(record["state_bytes"]))
+            self.state_budget_bytes.set(int(record["state_budget_bytes"]))
             lag = {str(pid): int(n) for pid, n in (record.get("lag") or {}).items()}
             for pid, n in lag.items():
                 self.lag.labels(pid=pid).set(n)

@@ -192,9 +192,11 @@ def start_query(
     name: str,
     incarnation: str,
     on_commit: Callable[[dict[str, Any]], None] | None = None,
+    state_budget: Callable[[], int] | None = None,
 ) -> tuple[Any, ExactlyOnceSink]:
     """Build and start the instance's streaming query; the assignment file must exist. Returns the query
-    and its sink; `on_commit` gets each committed batch's metrics record, from the first batch on."""
+    and its sink; `on_commit` gets each committed batch's metrics record, from the first batch on, and
+    `state_budget` says what its windows may hold (the configured budget when None)."""
     from pipeline.operator import STATE_SCHEMA, make_join_function, output_schema
     from pipeline.sink import ExactlyOnceSink
     from pipeline.source import FluxjoinSource
@@ -234,7 +236,15 @@ def start_query(
         timeoutConf="NoTimeout",
     )
     sink = ExactlyOnceSink(
-        cfg, bootstrap, name, incarnation, checkpoint.resolve(), watermarks, recent_yields, on_commit
+        cfg,
+        bootstrap,
+        name,
+        incarnation,
+        checkpoint.resolve(),
+        watermarks,
+        recent_yields,
+        on_commit,
+        state_budget,
     )
     query = (
         joined.writeStream.queryName(name.replace("-", "_"))
@@ -387,7 +397,10 @@ def _run(
             "org.apache.spark.sql.execution.streaming.runtime.ProcessingTimeExecutor",
             jvm.org.apache.logging.log4j.Level.ERROR,
         )
-    query, sink = start_query(spark, cfg, bootstrap, name, follower.incarnation, metrics.observe_batch)
+    budget = lambda: follower.state_budget  # noqa: E731
+    query, sink = start_query(
+        spark, cfg, bootstrap, name, follower.incarnation, metrics.observe_batch, budget
+    )
     stopping = threading.Event()
 
     def _stop(signum: int, frame: Any) -> None:
@@ -445,7 +458,7 @@ def _run(
             else:
                 break
             query, sink = start_query(
-                spark, cfg, bootstrap, name, follower.incarnation, metrics.observe_batch
+                spark, cfg, bootstrap, name, follower.incarnation, metrics.observe_batch, budget
             )
     except (Py4JError, ConnectionError) as lost:  # the JVM exited: out of memory (see spark_session), killed
         health.enter(Phase.STOPPED, f"Spark's JVM is gone ({type(lost).__name__})")

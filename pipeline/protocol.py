@@ -183,6 +183,21 @@ class MoveRequestMsg:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetMsg:
+    """The memory an instance's windows may hold, set while it runs (`fluxjoin budget`): it replaces the
+    instance's configured budget from its next batch on; 0 returns it to the configured one. In the
+    control log so that it outlives restarts and reaches an instance wherever it runs."""
+
+    instance: str
+    state_budget_bytes: int
+    version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if self.state_budget_bytes < 0:
+            raise ValueError(f"{self.instance}: a budget must be >= 0 bytes, got {self.state_budget_bytes}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SnapshotMsg:
     """The controller's view of the whole log so far, without its finished moves (`ControlView.pruned`).
 
@@ -197,7 +212,7 @@ class SnapshotMsg:
     version: int = PROTOCOL_VERSION
 
 
-Message = AssignmentMsg | ReleasedMsg | AcquiredMsg | TrackDoneMsg | MoveRequestMsg | SnapshotMsg
+Message = AssignmentMsg | ReleasedMsg | AcquiredMsg | TrackDoneMsg | MoveRequestMsg | BudgetMsg | SnapshotMsg
 
 
 class ProtocolError(ValueError):
@@ -309,6 +324,8 @@ def message_to_json(msg: Message) -> dict[str, Any]:
             "mode": msg.mode.value,
             "expires_ms": msg.expires_ms,
         }
+    elif isinstance(msg, BudgetMsg):
+        body = {"kind": "budget", "instance": msg.instance, "state_budget_bytes": msg.state_budget_bytes}
     elif isinstance(msg, SnapshotMsg):
         view = msg.view
         body = {
@@ -319,6 +336,7 @@ def message_to_json(msg: Message) -> dict[str, Any]:
             "acquired": [message_to_json(m) for _, m in sorted(view.acquired.items())],
             "track_done": [message_to_json(m) for _, m in sorted(view.track_done.items())],
             "requests": [message_to_json(m) for m in view.requests],
+            "budgets": dict(sorted(view.budgets.items())),
         }
     else:
         body = {
@@ -386,6 +404,8 @@ def message_from_json(d: Any) -> Message:
                 mode=Mode(d["mode"]),
                 expires_ms=int(d["expires_ms"]) if d.get("expires_ms") is not None else None,
             )
+        if kind == "budget":
+            return BudgetMsg(instance=d["instance"], state_budget_bytes=int(d["state_budget_bytes"]))
         if kind == "snapshot":
             assignment = _decoded(AssignmentMsg, d["assignment"]) if d["assignment"] is not None else None
             released = [_decoded(ReleasedMsg, m) for m in d["released"]]
@@ -399,6 +419,7 @@ def message_from_json(d: Any) -> Message:
                     track_done={m.key: m for m in track_done},
                     requests=tuple(_decoded(MoveRequestMsg, m) for m in d["requests"]),
                     started=moves_of(assignment) if assignment is not None else frozenset(),
+                    budgets={str(i): int(b) for i, b in d.get("budgets", {}).items()},
                 ),
                 read_to=int(d["read_to"]),
             )
@@ -439,7 +460,8 @@ def moves_of(a: AssignmentMsg) -> frozenset[str]:
 class ControlView:
     """What the control log says now: the newest assignment; the acknowledgements of the moves it refers
     to and of the `RECENT_MOVES` newest finished ones; the requests, each with the pids whose move has not
-    started; `started`, the moves the assignment refers to and the newest finished ones.
+    started; the budgets set while running; `started`, the moves the assignment refers to and the newest
+    finished ones.
 
     `released` keeps one `Released` per move: the committed one once it is in, else the announced one.
     A value: `apply` and `merge` return a new view; a log is folded in place by `Fold`."""
@@ -450,6 +472,8 @@ class ControlView:
     track_done: Mapping[str, TrackDoneMsg] = field(default_factory=dict)  # by "move_id/side"
     requests: tuple[MoveRequestMsg, ...] = ()
     started: frozenset[str] = frozenset()
+    budgets: Mapping[str, int] = field(default_factory=dict)
+    """Each instance's state budget set while running (`BudgetMsg`), where one is set."""
 
     def apply(self, msg: Message) -> ControlView:
         """The view after one more message (`Fold.add`)."""
@@ -489,6 +513,7 @@ class Fold:
       announcement served) is dropped: every acknowledgement follows, in the log, the assignment that
       refers to its move, as its writer read that assignment before writing it.
     - A request keeps the pids whose move no assignment has started.
+    - A budget: the newest per instance; 0 drops it (the configured one applies again).
 
     `complete` is False for a fold that began after the log's first records (deleted): the assignment
     an acknowledgement follows may be among them, so it keeps every acknowledgement until a snapshot
@@ -505,6 +530,7 @@ class Fold:
         self._track_done: dict[str, TrackDoneMsg] = {}
         self._requests: dict[str, MoveRequestMsg] = {}  # by request id, with the pids not started
         self._finished: dict[str, list[Ack]] = {}  # move id -> its acknowledgements, oldest move first
+        self._budgets: dict[str, int] = {}
         if start is not None:
             self.merge(start)
 
@@ -520,6 +546,8 @@ class Fold:
                 self.complete = True
         elif isinstance(msg, MoveRequestMsg):
             self._request(msg)
+        elif isinstance(msg, BudgetMsg):
+            self._budget(msg.instance, msg.state_budget_bytes)
         elif not self.complete or self.assignment is None or msg.move_id in self._moves:
             self._acknowledge(msg)
 
@@ -533,6 +561,8 @@ class Fold:
             self._acknowledge(ack)
         for request in view.requests:
             self._request(request)
+        for instance, budget in view.budgets.items():  # a snapshot's are newer than what preceded it
+            self._budget(instance, budget)
         ongoing = moves_of(self.assignment) if self.assignment is not None else frozenset()
         for move_id in view.started - ongoing:
             self._finished.setdefault(move_id, [])
@@ -556,6 +586,7 @@ class Fold:
             track_done=track_done,
             requests=tuple(self._requests.values()),
             started=self._moves | self._finished.keys() if finished else self._moves,
+            budgets=dict(self._budgets),
         )
 
     def _newer(self, msg: AssignmentMsg) -> bool:
@@ -581,6 +612,12 @@ class Fold:
             self._requests[msg.request_id] = replace(msg, pids=pids)
         else:
             self._requests.pop(msg.request_id, None)
+
+    def _budget(self, instance: str, budget: int) -> None:
+        if budget:
+            self._budgets[instance] = budget
+        else:
+            self._budgets.pop(instance, None)
 
     def _started(self, move_id: str) -> bool:
         return move_id in self._moves or move_id in self._finished

@@ -36,7 +36,7 @@ import hashlib
 import json
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,6 +113,16 @@ def _released_stream_max(
     """The `stream_max` the operator's `released` row reports for `pid` (a release or an overlap's start)."""
     closing = (kind == KIND_RELEASED) & (columns["pid"] == pid)
     return tuple(int(t) for t in _stream_max_columns(columns, closing, streams)[0])
+
+
+def held_after(
+    held: Mapping[int, int], batch: Mapping[str, Mapping[str, Any]], kept: Container[str]
+) -> dict[int, int]:
+    """Each pid's window bytes after a batch: the batch's pids at their new sizes, the others at their
+    newest batch's (an idle pid holds its window still), pids the batch's offsets no longer keep (moved
+    away) or whose windows are empty left out."""
+    sizes = {**held, **{int(p): int(stats["state_bytes"]) for p, stats in batch.items()}}
+    return {p: size for p, size in sizes.items() if size and str(p) in kept}
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +276,7 @@ class ExactlyOnceSink:
         watermarks: Path,
         recent_yields: Path,
         on_commit: Callable[[dict[str, Any]], None] | None = None,
+        state_budget: Callable[[], int] | None = None,
     ) -> None:
         from confluent_kafka import Producer
         from confluent_kafka.admin import AdminClient
@@ -310,6 +321,12 @@ class ExactlyOnceSink:
         self.streams = cfg.streams
         self.on_commit = on_commit
         """Called with each committed batch's metrics record, after its commit (the instance's /metrics)."""
+        self.state_budget = state_budget or cfg.instance.state_budget
+        """The bytes of window state the instance may hold now (`InstanceFollower.state_budget`)."""
+        self._held: dict[int, int] = {}
+        """Each kept pid's window state in bytes, as its newest batch left it: a batch reports only the
+        pids it read, and an idle pid holds its window still."""
+        self._over_budget_said_at = -HOT_WARNING_EVERY_S
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
         started = time.monotonic()
@@ -351,6 +368,7 @@ class ExactlyOnceSink:
         self._note_watermarks(offsets, columns, kind)
         self._note_yields(offsets, metrics)
         self._warn_hot(metrics)
+        self._warn_over_budget(metrics)
 
     def _note_yields(self, offsets: dict[str, Any], metrics: dict[str, Any]) -> None:
         """Note each pid's tuples and results, for the source to bound the next batches by
@@ -382,6 +400,25 @@ class ExactlyOnceSink:
             f"{by_key:,} on key {key}. Batches take fewer tuples while it lasts.",
             flush=True,
         )
+
+    def _warn_over_budget(self, metrics: dict[str, Any]) -> None:
+        """Say when the windows hold more than the budget, at most every HOT_WARNING_EVERY_S: the
+        controller's memory policies move state away from such an instance (docs/memory.md)."""
+        held, budget = metrics["state_bytes"], metrics["state_budget_bytes"]
+        now = time.monotonic()
+        if held <= budget or now - self._over_budget_said_at < HOT_WARNING_EVERY_S:
+            return
+        self._over_budget_said_at = now
+        print(
+            f"{self.instance}: its windows hold {held:,} bytes, over its state budget of {budget:,} "
+            f"({len(self._held)} pids)",
+            flush=True,
+        )
+
+    def _held_state(self, offsets: dict[str, Any], pids: dict[str, dict[str, Any]]) -> int:
+        """The bytes all kept pids' windows hold after this batch (`held_after`)."""
+        self._held = held_after(self._held, pids, offsets["offsets"].get(self.streams[0], {}))
+        return sum(self._held.values())
 
     def _attempts(self, batch_id: int, write: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """`write` (the batch's `_write`), again in a new transaction while the broker aborts it or is
@@ -620,6 +657,27 @@ class ExactlyOnceSink:
         ended = time.monotonic()
         busy = (ended - started) / max(ended - self.last_end, 1e-3)
         self.last_end = ended
+        pids = {
+            str(p): {
+                "in": int(n),
+                "results": int(r),
+                "state_bytes": int(b),
+                "window_tuples": int(w),
+                "newest_ms": int(t),
+                "latency_sample": _sample(by_pid.get(int(p), np.empty(0)), 20),
+                "hot_key": HotKey.decode(hot),
+            }
+            for p, n, r, b, w, t, hot in zip(
+                columns["pid"][stats],
+                columns["id0"][stats],
+                columns["id1"][stats],
+                columns["aux"][stats],
+                columns["key"][stats],
+                columns["ts"][stats],
+                columns["payload"][stats],
+                strict=True,
+            )
+        }
         return {
             "kind": "batch",
             "instance": self.instance,
@@ -636,27 +694,9 @@ class ExactlyOnceSink:
             "latency_p99_s": float(np.percentile(latency, 99)) if len(latency) else None,
             # An evenly spaced sample of this batch's sorted latencies, for run-wide percentiles.
             "latency_sample": _sample(latency, 200),
-            "pids": {
-                str(p): {
-                    "in": int(n),
-                    "results": int(r),
-                    "state_bytes": int(b),
-                    "window_tuples": int(w),
-                    "newest_ms": int(t),
-                    "latency_sample": _sample(by_pid.get(int(p), np.empty(0)), 20),
-                    "hot_key": HotKey.decode(hot),
-                }
-                for p, n, r, b, w, t, hot in zip(
-                    columns["pid"][stats],
-                    columns["id0"][stats],
-                    columns["id1"][stats],
-                    columns["aux"][stats],
-                    columns["key"][stats],
-                    columns["ts"][stats],
-                    columns["payload"][stats],
-                    strict=True,
-                )
-            },
+            "pids": pids,
+            "state_bytes": self._held_state(offsets, pids),
+            "state_budget_bytes": self.state_budget(),
             "lag": ready.lag,
         }
 

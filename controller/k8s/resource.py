@@ -34,7 +34,7 @@ from pydantic.fields import FieldInfo
 
 from controller.assignment import HandoffMode
 from controller.observation.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S
-from controller.policies import POLICIES, FluxParams, MemoryParams
+from controller.policies import POLICIES, FluxMemoryParams, FluxParams, MemoryParams
 from pipeline.config import Config, InstanceConfig, TopicsConfig
 
 DEFAULT_POLICY = "flux"
@@ -127,7 +127,7 @@ class _Spec(BaseModel):
 
 # --- policies ---
 
-_FLUX, _MEMORY = FluxParams(), MemoryParams()
+_FLUX, _MEMORY, _FLUX_MEMORY = FluxParams(), MemoryParams(), FluxMemoryParams()
 
 
 class FluxSettings(_Spec):
@@ -186,10 +186,31 @@ class MemorySettings(_Spec):
     )
 
 
+def settings_section(policy: str) -> str:
+    """The field of spec.policy that holds the named policy's settings: the hybrid's are flux's."""
+    return {"hybrid": "flux"}.get(policy, policy).replace("-", "_")
+
+
+class FluxMemorySettings(_Spec):
+    """`FluxMemoryParams` as spec.policy.fluxMemory sets them (the handoff mode is the pipeline's)."""
+
+    th_imb: float = Field(
+        _FLUX_MEMORY.th_imb,
+        ge=1,
+        description="Ratio of the fuller instance's fill (state over budget) to the emptier's that triggers "
+        "a move.",
+    )
+    max_moves_per_pair: int = Field(
+        _FLUX_MEMORY.max_moves_per_pair, ge=1, description="Pids one pair may move per round."
+    )
+
+
 class PolicySpec(_Spec):
     name: str = Field(
         DEFAULT_POLICY,
-        description="static (never move), flux (utilization rounds) or memory (state balancing).",
+        description="static (never move), flux (utilization rounds), memory (state balancing), "
+        "flux-memory (spare-memory rounds) or hybrid (flux-memory while an instance is over its state "
+        "budget, else flux within the receivers' budgets; its settings are flux's).",
         json_schema_extra={"enum": list(POLICIES)},
     )
     flux: FluxSettings = Field(
@@ -210,6 +231,11 @@ class PolicySpec(_Spec):
         description="Parameters of the memory-balancing distributed adaptation.",
         json_schema_extra={"default": {}},
     )
+    flux_memory: FluxMemorySettings = Field(
+        default_factory=FluxMemorySettings,
+        description="Thresholds of the Flux memory-constrained rounds.",
+        json_schema_extra={"default": {}},
+    )
 
     @field_validator("name")
     @classmethod
@@ -219,8 +245,9 @@ class PolicySpec(_Spec):
         return name
 
     def settings(self) -> dict[str, Any]:
-        """The named policy's parameters the spec sets, by their `controller.policies` names."""
-        chosen = getattr(self, self.name, None)
+        """The named policy's parameters the spec sets, by their `controller.policies` names (the hybrid
+        takes flux's)."""
+        chosen = getattr(self, settings_section(self.name), None)
         return chosen.model_dump(exclude_unset=True) if isinstance(chosen, _Spec) else {}
 
 
@@ -367,7 +394,13 @@ class InstanceSpec(_Spec):
         InstanceConfig,
         "driver_memory",
         "Spark driver heap, e.g. 1g or 1536m.",
-        pattern=r"^[0-9]+[kKmMgGtT]?$",
+    )
+    state_budget_bytes: int = _like(
+        InstanceConfig,
+        "state_budget_bytes",
+        "Bytes of window state an instance may hold (0: a quarter of driverMemory); the memory "
+        "policies move state away from an instance over it. `fluxjoin budget` changes it while it runs.",
+        format="int64",
     )
 
 

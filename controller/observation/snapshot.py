@@ -87,6 +87,7 @@ def snapshot_of(
             demand=demand[i],
             progress=progress[i],
             state_bytes=sum(v for p, v in state[i].items() if owned.get(p) == i),
+            memory_limit_bytes=int(history[i][-1].get("state_budget_bytes", 0)) if history[i] else 0,
         )
         for i in sorted(live)
     )

@@ -20,17 +20,25 @@ from controller.policies.base import (
     registry_of,
 )
 from controller.policies.flux import FluxParams, FluxPolicy
+from controller.policies.flux_memory import FluxMemoryParams, FluxMemoryPolicy
+from controller.policies.hybrid import HybridPolicy
 from controller.policies.memory import MemoryParams, MemoryPolicy
 from controller.policies.static import StaticParams, StaticPolicy
 
-POLICIES: Mapping[str, Policy[Any]] = registry_of(StaticPolicy(), FluxPolicy(), MemoryPolicy())
-"""Every policy by its configuration name: "static", "flux", "memory"."""
+POLICIES: Mapping[str, Policy[Any]] = registry_of(
+    StaticPolicy(), FluxPolicy(), MemoryPolicy(), FluxMemoryPolicy(), HybridPolicy()
+)
+"""Every policy by its configuration name: "static", "flux" (load), "memory" (Liu and Rundensteiner's
+state balancing), "flux-memory" (Flux's memory-constrained round), "hybrid" (Flux's hybrid)."""
 
 __all__ = [
     "POLICIES",
     "Decision",
+    "FluxMemoryParams",
+    "FluxMemoryPolicy",
     "FluxParams",
     "FluxPolicy",
+    "HybridPolicy",
     "InstanceStats",
     "MemoryParams",
     "MemoryPolicy",

@@ -147,6 +147,8 @@ def _record(batch: int, **fields: Any) -> dict[str, Any]:
         "latency_p99_s": None,
         "latency_sample": [],
         "pids": {},
+        "state_bytes": 0,
+        "state_budget_bytes": 1 << 28,
         "lag": {},
     }
     return record | fields
@@ -182,6 +184,7 @@ def test_batch_records_become_counters_gauges_and_histograms(tmp_path: Path) -> 
             busy=0.25,
             latency_sample=[0.2, 0.4, 0.6, 3.0],
             pids={"1": {"in": 600, "state_bytes": 5000}, "2": {"in": 400, "state_bytes": 3000}},
+            state_bytes=8000,
             lag={"1": 12, "2": 0},
         )
     )
@@ -193,6 +196,8 @@ def test_batch_records_become_counters_gauges_and_histograms(tmp_path: Path) -> 
             duration_s=7.0,
             busy=0.9,
             pids={"2": {"in": 500, "state_bytes": 4000}, "1": {"in": 0, "state_bytes": 0}},
+            state_bytes=4000,
+            state_budget_bytes=3000,
             lag={"2": 30, "3": 5},
         )
     )
@@ -205,7 +210,8 @@ def test_batch_records_become_counters_gauges_and_histograms(tmp_path: Path) -> 
     assert got[("fluxjoin_instance_malformed_records_total", ())] == 1
     assert got[("fluxjoin_instance_batches_total", ())] == 2
     assert got[("fluxjoin_instance_busy_ratio", ())] == 0.9
-    assert got[("fluxjoin_instance_state_bytes", ())] == 4000, "pid 1's state went with it; pid 2's newest"
+    assert got[("fluxjoin_instance_state_bytes", ())] == 4000, "the newest batch's total"
+    assert got[("fluxjoin_instance_state_budget_bytes", ())] == 3000, "a budget set while it runs"
     lag = {
         dict(labels)["pid"]: v
         for (name, labels), v in got.items()

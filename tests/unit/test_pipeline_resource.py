@@ -25,12 +25,14 @@ from controller.k8s.crd import (
     structural,
 )
 from controller.k8s.resource import (
+    FluxMemorySettings,
     FluxSettings,
     InstanceSpec,
     JoinPipelineSpec,
     MemorySettings,
     PolicySpec,
     TopicsSpec,
+    settings_section,
 )
 from controller.k8s.spec import WORK_DIR, PipelineSpec
 from controller.policies import POLICIES
@@ -188,16 +190,21 @@ def test_the_pipelines_defaults_and_limits_are_pipeline_configs() -> None:
 def test_policy_settings_are_the_policies_parameters_with_their_defaults() -> None:
     """Every parameter of a policy but its handoff mode (the pipeline's) is a field of spec.policy.<name>,
     defaulting to the parameters' own default; a policy without parameters has no section."""
-    sections: dict[str, type[BaseModel]] = {"flux": FluxSettings, "memory": MemorySettings}
+    sections: dict[str, type[BaseModel]] = {
+        "flux": FluxSettings,
+        "memory": MemorySettings,
+        "flux_memory": FluxMemorySettings,
+    }
     for name, policy in POLICIES.items():
         params = policy.default_params()
         names = [f.name for f in dataclasses.fields(params) if f.name != "mode"]
+        section = settings_section(name)
         if not names:
-            assert name not in PolicySpec.model_fields
+            assert section not in PolicySpec.model_fields
             continue
-        assert PolicySpec.model_fields[name].annotation is sections[name]
-        assert sorted(sections[name].model_fields) == sorted(names)
-        assert sections[name]().model_dump() == {n: getattr(params, n) for n in names}
+        assert PolicySpec.model_fields[section].annotation is sections[section]
+        assert sorted(sections[section].model_fields) == sorted(names)
+        assert sections[section]().model_dump() == {n: getattr(params, n) for n in names}
 
 
 def _server_defaults(schema: dict[str, Any], value: Any) -> Any:
@@ -374,7 +381,8 @@ def test_an_empty_storage_class_or_topic_prefix_means_the_default() -> None:
         ({"streams": ["A", "b-c"]}, "spec.streams.1: stream name 'b-c' must be an identifier"),
         (
             {"policy": {"name": "chaos"}},
-            "spec.policy.name: policy 'chaos' is not one of ['static', 'flux', 'memory']",
+            "spec.policy.name: policy 'chaos' is not one of "
+            "['static', 'flux', 'memory', 'flux-memory', 'hybrid']",
         ),
         (
             {"policy": {"flux": {"thUtil": 1.5}}},

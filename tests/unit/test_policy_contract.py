@@ -18,9 +18,14 @@ def random_snapshot(seed: int) -> Snapshot:
     partitions = len(ids) * rng.randint(2, 10)
     assignment = initial_assignment(partitions, ids)
     dead = ids[-1] if len(ids) > 2 and rng.random() < 0.5 else None
+    budgets = rng.random() < 0.7  # else no instance reports a state budget
     return Snapshot(
         now_s=1000.0,
-        instances=tuple(InstanceStats(j, rng.random(), rng.randint(0, 10_000), 0) for j in ids if j != dead),
+        instances=tuple(
+            InstanceStats(j, rng.random(), rng.randint(0, 10_000), rng.randint(1, 12_000) if budgets else 0)
+            for j in ids
+            if j != dead
+        ),
         pids={
             p: PidStats(p, rng.randint(0, 1000), rng.randint(0, 1000), rng.randint(0, 100))
             for p in range(partitions)

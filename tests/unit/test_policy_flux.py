@@ -449,7 +449,7 @@ def test_params_are_checked(kwargs: dict[str, float]) -> None:
 
 
 def test_registry_and_paper_defaults() -> None:
-    assert sorted(POLICIES) == ["flux", "memory", "static"]
+    assert sorted(POLICIES) == ["flux", "flux-memory", "hybrid", "memory", "static"]
     assert POLICIES["flux"].default_params() == FluxParams(th_imb=1.2, th_util=0.9)
     assert (PARAMS.delta_s, PARAMS.delta_min_s, PARAMS.mode) == (1.0, 0.25, HandoffMode.TRANSFER)
 
