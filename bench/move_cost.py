@@ -225,9 +225,7 @@ def measure_move_cost(
         follower.close()
         pipeline.stop()
     out |= {f"steady_{k}": v for k, v in medians_of(spells).items()}  # the yardsticks of the quiet spells
-    state = [
-        sum(p["state_bytes"] for p in r["pids"].values()) for r in records if r["instance"] == "instance-0"
-    ]
+    state = [int(r.get("state_bytes", 0)) for r in records if r["instance"] == "instance-0"]
     out["state_bytes_instance0"] = max(state, default=0)
     return out
 

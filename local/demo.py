@@ -70,7 +70,7 @@ class LiveStats:
             last = self.recent[name][-1]
             tuples = sum(r["tuples_in"] for r in window) / 5
             results = sum(r["results"] for r in window) / 5
-            state = sum(p["state_bytes"] for p in last["pids"].values())
+            state = last.get("state_bytes", 0)
             p50, p99 = last.get("latency_p50_s"), last.get("latency_p99_s")
             t.add_row(
                 name,

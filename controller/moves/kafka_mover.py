@@ -162,7 +162,8 @@ class KafkaPidMover:
             i: InstanceStats(
                 instance=i,
                 busy_fraction=busy_fraction(described_by(h, since)),
-                state_bytes=sum(p["state_bytes"] for p in h[-1]["pids"].values()),
+                state_bytes=int(h[-1].get("state_bytes", 0)),
+                memory_limit_bytes=int(h[-1].get("state_budget_bytes", 0)),
                 tuples_per_s=sum(b.get("tuples_in", 0) for b in h if b["time_ms"] >= since) / window_s,
                 lag=sum(h[-1].get("lag", {}).values()),
             )
