@@ -17,6 +17,7 @@ file's format in `pipeline/instance_files.py`.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ from pipeline.rows import (
     WATERMARK_ROW,
     WINDOW_ROW,
 )
+
+log = logging.getLogger(__name__)
 
 SOURCE_NAME = "fluxjoin"
 SAMPLE_EVERY_S = 30.0
@@ -209,9 +212,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             except KafkaException as exc:
                 if not broker_away(exc):
                     raise
-                print(
-                    f"{self.instance}: input offsets unknown, the broker is away ({exc}); asking again",
-                    flush=True,
+                log.warning(
+                    "%s: input offsets unknown, the broker is away (%s); asking again", self.instance, exc
                 )
                 time.sleep(2.0)
         topic_to_stream = dict(zip(self.topics, self.streams, strict=True))
