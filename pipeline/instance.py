@@ -175,8 +175,8 @@ def spark_session(cfg: Config, app_name: str, extra_conf: dict[str, str] | None 
         .config("spark.sql.streaming.minBatchesToRetain", "20")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.python.worker.reuse", "true")
-        # Checkpoint files without Hadoop's checksum files beside them (decision 0041): writing the
-        # offset and commit logs cost about 50 ms each per batch with them, about 25 ms without.
+        # Checkpoint files without Hadoop's checksum files beside them (decision 0041): writing and
+        # renaming a checksum file beside each offset and commit log entry slowed every batch.
         .config("spark.hadoop.fs.file.impl", "org.apache.hadoop.fs.RawLocalFileSystem")
         .config("spark.hadoop.fs.AbstractFileSystem.file.impl", "org.apache.hadoop.fs.local.RawLocalFs")
         # Through Hadoop's FileSystem API, not FileContext (decision 0044): FileContext's create and
@@ -259,7 +259,8 @@ def holds_nothing(owned: OwnedPids) -> bool:
 UNANSWERED_DRAIN_S = 20.0
 """A stopping instance whose assignment has not changed this long after the stop was asked is not being
 drained (no operator runs, or it is being deleted with the pipeline): it stops then, and resumes its pids
-from its checkpoint if it comes back. The operator answered within 2 s in the e2e's rolling updates."""
+from its checkpoint if it comes back. An operator that drains answers far sooner (docs/benchmarks.md,
+"Measurements behind the code's constants")."""
 
 
 class Drain:

@@ -468,7 +468,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
 
     def _probe(self) -> Any:
         """The reader's consumer of single messages: a sample's size, the records before a replay's
-        cutoff (`BOUNDED_READ`: each had cost half a second or more)."""
+        cutoff (`BOUNDED_READ`: each had waited behind the broker's long poll, decision 0034)."""
         from confluent_kafka import Consumer
 
         from pipeline.topics import BOUNDED_READ
@@ -502,7 +502,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             carried = {k: start.get(k, {}) for k in ("tracking", "taken")}
             return {"epoch": owned.epoch, **carried, "offsets": end} | next_pid
         if start["epoch"] == -1:
-            self._probe()  # connected before a replay needs it: a fresh one's first read took 1 s
+            self._probe()  # connected before a replay needs it: a first read is slow (decision 0034)
         plan = self._change_epoch(start, owned)
         self._announce_releases(plan, tracks=False)
         held: Offsets = plan["offsets"]

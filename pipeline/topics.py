@@ -31,15 +31,14 @@ DEFAULT_TIMEOUT_S = 10.0
 
 VISIBLE_TIMEOUT_S = 60.0
 """How long created topics may take to show in metadata: a broker that has just restarted over many
-partitions accepts a creation at once but was measured taking 11 s to show it."""
+partitions accepts a creation at once but can take many seconds to show it (docs/benchmarks.md,
+"Measurements behind the code's constants")."""
 
 BOUNDED_READ = {"fetch.wait.max.ms": 10}
 """Consumer settings for reading offsets known to exist (a range below the end, one message). A fetch
 that finds nothing new waits at the broker for up to `fetch.wait.max.ms` (500 ms by default), and the
 broker answers a connection's requests in order: the next assignment's first fetch, or an
-`offsets_for_times`, waited behind it. Measured on a local broker: reading a 20-message range at the
-end of a partition every 0.1 s took 0.40 s per read with the default, 3 ms with this; a replay's reach
-(two single messages and one `offsets_for_times`) 1.0 s and 15 ms."""
+`offsets_for_times`, waited behind it (decision 0034 measures the difference)."""
 
 # librdkafka's own log lines (e.g. a connection refused every 50 ms while a broker is down) go to
 # this logger instead of straight to stderr: an application that configures logging may show them, a
