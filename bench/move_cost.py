@@ -109,8 +109,8 @@ def p99_of_pids(
 
 MOVES_PER_MODE = 3
 """Moves of each mode per window size, there and back. One move's pause is one sample of a noisy machine
-(six replays in one setting paused 0.59-0.92 s, decision 0038): the report gives each figure's median
-over the moves, the longest pause and every move's figures."""
+(the pauses of one mode in one setting spread widely, decision 0038): the report gives each figure's
+median over the moves, the longest pause and every move's figures."""
 
 
 def medians_of(samples: list[dict[str, Any]]) -> dict[str, float | None]:

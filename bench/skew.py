@@ -22,11 +22,11 @@ from pipeline.config import Config, HotPidsKeys
 
 FLUX_SKEW_MODE = "replay"
 """Flux's moves run as replays (docs/benchmarks.md, "Method of the skew and convergence benchmarks"). A
-transfer pauses the moved pid, a hot one carrying many results, for about three 4 s triggers. A parallel track
+transfer pauses the moved pid, a hot one carrying many results, for about three triggers. A parallel track
 never pauses it, but its donor goes on joining the pid's new tuples with the old ones for a window, so the
 relief comes W after the move. A replay pauses the pid for about two batch intervals (decisions 0035, 0037)
-and relieves the donor at once: side by side at 2,000 tuples/s, flux's p99 was 8.0 s with replays and 10.2 s
-with parallel tracks."""
+and relieves the donor at once: side by side, flux's p99 was lower with replays than with parallel
+tracks."""
 FLUX_SKEW_MOVES_PER_PAIR = 8
 """Flux may move up to this many pids per pair and round (docs/load-model.md, "Which pids move"): the hot set
 is 13 pids."""
@@ -41,8 +41,7 @@ def skew_trigger_ms(idle_batch_s: float) -> int:
     """The skew benchmark's trigger: twice an idle instance's micro-batch, rounded up to whole seconds,
     so that an idle instance idles about half the time and busy fractions tell it from a loaded one.
     With back-to-back batches every instance reads as fully busy and no policy can see the skew
-    (measured at 0.25 cores and a 4 s trigger: every instance read U = 1.0, and flux moved one pid in
-    90 s)."""
+    (docs/benchmarks.md, "Method of the skew and convergence benchmarks")."""
     return 1000 * math.ceil(2 * idle_batch_s - 1e-9)
 
 
@@ -68,10 +67,9 @@ def measure_idle_batch_s(
 
     Measured rather than assumed (docs/benchmarks.md, "Method of the skew and convergence benchmarks"): an
     idle batch's cost assumed from one machine made every instance read as busy on a machine twice as slow,
-    and flux saw no skew to act on. Measured on the benchmark's own instances (docs/benchmarks.md, "Method of
-    the skew and convergence benchmarks"): one instance owning all 64 pids took 6.8 s where the benchmark's
-    idle instances took 3.3-3.7 s: a 14 s trigger where 8 s would do, and a pipeline that keeps up shows its
-    results a trigger later."""
+    and flux saw no skew to act on. Measured on the benchmark's own instances: one instance owning all 64
+    pids ran much longer batches than the benchmark's idle instances do, so its trigger was far longer than
+    needed, and a pipeline that keeps up shows its results a trigger later."""
     name = f"{run_id}-calibration"
     cold = 0.2  # the share of the input outside the hot set; key_seconds scaled to the benchmark's keys
     c = skew_config(
@@ -143,10 +141,10 @@ def skew_config(
     pid has keys): a tuple has about 2 W / key_seconds partners on average whatever the rate, so a
     smaller value makes a heavier join per tuple, and the work grows with the rate, not its square.
 
-    A loaded instance's micro-batches grow with its backlog (one of 66 s was measured). Capping
-    them at one trigger's worth of input was tried: every batch pays the fixed cost, and static's
-    drain at 2,000 tuples/s went from 70 s to 102 s (one run each), so only the default bounds apply,
-    the one on results among them (decision 0045).
+    A loaded instance's micro-batches grow with its backlog. Capping them at one trigger's worth of
+    input was tried: every batch pays the fixed cost, and static drained more slowly (docs/benchmarks.md,
+    "Measurements behind the code's constants"), so only the default bounds apply, the one on results
+    among them (decision 0045).
 
     Each instance's JVM has a 2 GB heap: a loaded instance's batch collects millions of results at once
     (a 1 GB heap ran out on static's hot instance at 3,000 tuples/s once its batches ran as one task,
@@ -189,16 +187,17 @@ def hold_assignment(pipeline: LocalPipeline, mode: str) -> None:
     """Restart the controller under the static policy: it completes the moves in flight and starts
     none. Run when the input ends, so that the drain measures the backlog left then. A move started
     after the end reacts to a load that no longer arrives, and a parallel track started then waits
-    for event time that no longer advances: at 2,500 tuples/s flux's backlog cleared 30 s after the
-    end, and tracks started 27 s after it held the drain to 54 s (docs/load-model.md, "Arrival rates")."""
+    for event time that no longer advances and holds the drain long after the backlog has cleared
+    (docs/benchmarks.md, "Method of the skew and convergence benchmarks")."""
     pipeline.kill("controller", signal.SIGTERM)
     pipeline.start_controller(policy="static", mode=mode)
 
 
 SKEW_DRAIN_TIMEOUT_S = 900
 """A point whose backlog has not drained this long after the input ended is recorded as unfinished
-(not sustained, latency and output unknown) and the run goes on: static at twice its limit (6,000
-tuples/s) still had 29,139 messages left after 900 s, and the whole run was lost to the timeout."""
+(not sustained, latency and output unknown) and the run goes on: static at twice its limit need not drain
+in any time a run can wait, and such a point once lost a whole run to the timeout (docs/benchmarks.md,
+"Measurements behind the code's constants")."""
 
 
 def measure_skew_point(

@@ -26,12 +26,14 @@ from fluxjoin.options import (
     user_errors,
 )
 from pipeline.health import DEFAULT_METRICS_PORT, STALL_TIMEOUT_S
+from pipeline.process_log import LOG_FORMAT, configure_logging
 
 
 def generate(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOpt = None) -> None:
     """Produce Poisson streams to the input topics (keyed and partitioned by pid).
 
     SIGINT or SIGTERM ends the run early and cleanly: what was produced is flushed and acknowledged."""
+    configure_logging()
     from generator.producer import run_generator
 
     cfg = read_config(config, set_, bootstrap)
@@ -66,6 +68,7 @@ def instance(
     ] = STALL_TIMEOUT_S,
 ) -> None:
     """Run one join instance (a Spark Structured Streaming query) until interrupted."""
+    configure_logging()
     from pipeline.health import MetricsPortError
     from pipeline.instance import parse_pids, run_instance
 
@@ -125,6 +128,7 @@ def controller(
     ] = None,
 ) -> None:
     """Run the controller: policy rounds, pid moves, recovery of dead instances."""
+    configure_logging()
     from controller.policies import POLICIES
     from controller.policies.params import policy_params
     from controller.runner import run_controller
@@ -221,7 +225,7 @@ def operator_command(
     )
     from controller.k8s.spec import InstanceSettings
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     options = OperatorOptions(
         namespace=namespace or default_namespace(),
         identity=identity or socket.gethostname(),

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import math
-import sys
 import threading
 import time
 from collections import deque
@@ -58,6 +58,8 @@ from pipeline.config import Config
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.partitioning import pids_of, stable_hash
 from pipeline.topics import BOUNDED_READ, KAFKA_LOG, admin_client, ensure_topics, partition_offsets
+
+log = logging.getLogger(__name__)
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -606,18 +608,14 @@ class _Sender:
     def finish(self, stop: threading.Event) -> None:
         """Wait until the broker has acknowledged every message. A broker away is waited out however
         long it is away, as `delivery.timeout.ms` 0 says (a fixed limit of 120 s here ended the
-        generator during a longer outage), saying on stderr every `LOG_EVERY_S` how many still wait;
+        generator during a longer outage), saying in the log every `LOG_EVERY_S` how many still wait;
         `stop` ends the wait."""
         waited_s = 0.0
         while remaining := self.producer.flush(LOG_EVERY_S):
             waited_s += LOG_EVERY_S
             if stop.is_set():
                 raise DeliveryError(f"stopped with {remaining} messages unacknowledged by the broker")
-            print(
-                f"generator: {remaining:,} messages wait for the broker ({waited_s:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.warning("generator: %s messages wait for the broker (%.0f s)", f"{remaining:,}", waited_s)
         if self.failed:
             raise DeliveryError(
                 f"{self.failed} of {self.messages} messages failed delivery; first error: {self.first_error}"
@@ -625,12 +623,12 @@ class _Sender:
 
 
 LOG_EVERY_S = 30.0
-"""How often the generator says how far it has got when its stderr is no terminal (a pod's log)."""
+"""How often the generator logs how far it has got when its stderr is no terminal (a pod's log)."""
 
 
 class _Progress:
     """A one-line rich progress display on stderr (tuples produced, tuples/s); on a stderr that is no
-    terminal, a plain line every `LOG_EVERY_S`; or nothing."""
+    terminal, a plain line in the log every `LOG_EVERY_S`; or nothing."""
 
     def __init__(self, enabled: bool, total: int | None) -> None:
         self._progress: Any = None
@@ -660,11 +658,7 @@ class _Progress:
         if self._lines_due is not None and seconds >= self._lines_due:
             self._lines_due += LOG_EVERY_S
             rate = tuples / seconds if seconds > 0 else 0.0
-            print(
-                f"generator: {tuples:,} tuples in {seconds:.0f} s ({rate:,.0f} tuples/s)",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.info("generator: %s tuples in %.0f s (%s tuples/s)", f"{tuples:,}", seconds, f"{rate:,.0f}")
         if self._progress is not None:
             self._progress.update(self._task, completed=tuples, rate=tuples / seconds if seconds > 0 else 0.0)
 

@@ -14,6 +14,7 @@ the controller wrote after them (`ControlLog.write_snapshot`), and without one r
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,8 @@ from pipeline.protocol import (
     encode,
 )
 from pipeline.topics import broker_away, watermark_offsets
+
+log = logging.getLogger(__name__)
 
 STUCK_S = 5.0
 """A reader that fetches nothing for this long while the log holds more assigns its partition again."""
@@ -176,7 +179,9 @@ class ControlLog:
         from confluent_kafka import TopicPartition
 
         if self._next is not None:
-            print(f"control log {self.topic}: records below offset {low} deleted unread; reading again")
+            log.warning(
+                "control log %s: records below offset %s deleted unread; reading again", self.topic, low
+            )
         own = self._fold.assignment  # maybe this process's own (`add_own`), not readable yet
         self._fold = Fold(ControlView(assignment=own) if own is not None else None, complete=low == 0)
         self._view = None
@@ -211,7 +216,7 @@ class ControlLog:
             try:
                 decoded = decode(msg.value() or b"")
             except ProtocolError as exc:
-                print(f"ignoring control message at offset {msg.offset()}: {exc}", flush=True)
+                log.warning("ignoring control message at offset %s: %s", msg.offset(), exc)
                 continue
             if isinstance(decoded, SnapshotMsg):
                 self._since_snapshot = 0
@@ -360,7 +365,7 @@ class InstanceFollower:
             try:
                 self.heartbeat()
             except Exception as exc:  # BufferError while the broker is away: the next beat retries
-                print(f"{self.instance}: heartbeat not sent ({exc!r})", flush=True)
+                log.warning("%s: heartbeat not sent (%r)", self.instance, exc)
             self._stop.wait(every_s)
 
     def _run(self, period_s: float = 0.1) -> None:
@@ -383,7 +388,7 @@ class InstanceFollower:
                     else "control log not read"
                 )
                 if f"{what}{exc!r}" != said:
-                    print(f"{self.instance}: {what} ({exc!r}); trying again", flush=True)
+                    log.warning("%s: %s (%r); trying again", self.instance, what, exc)
                 said = f"{what}{exc!r}"
                 self._stop.wait(period_s)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -41,6 +42,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.utils import floatToGoString
+
+log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_PORT = 9108
 """Where an instance serves /metrics, /healthz and /readyz unless told otherwise; the port the chart's
@@ -266,7 +269,7 @@ class InstanceMetrics:
         try:
             self._observe(record)
         except (KeyError, TypeError, ValueError) as exc:
-            print(f"{self.instance}: metrics of a batch not taken in ({exc!r})", flush=True)
+            log.warning("%s: metrics of a batch not taken in (%r)", self.instance, exc)
 
     def _observe(self, record: Mapping[str, Any]) -> None:
         results = int(record["results"])

@@ -24,6 +24,7 @@ has passed (decision 0056).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -42,6 +43,8 @@ from pipeline.instance_files import OwnedPids, read_assignment, write_assignment
 
 if TYPE_CHECKING:
     from pipeline.sink import ExactlyOnceSink
+
+log = logging.getLogger(__name__)
 
 
 def parse_pids(spec: str, partitions: int) -> frozenset[int]:
@@ -119,18 +122,19 @@ def wait_for_room(name: str, home: Path, health: InstanceHealth, stop: Callable[
     False if `stop` turns true first. A disk that stays full is judged as any stall is: /healthz fails
     after the stall timeout, the controller moves the pids after its progress timeout (decision 0053)."""
     health.disk_full(str(home))
-    print(
-        f"{name}: checkpoint disk full ({home}); its query stopped, and starts again from its checkpoint "
-        f"once the disk has {ROOM_BYTES >> 20} MB free",
-        file=sys.stderr,
-        flush=True,
+    log.warning(
+        "%s: checkpoint disk full (%s); its query stopped, and starts again from its checkpoint "
+        "once the disk has %d MB free",
+        name,
+        home,
+        ROOM_BYTES >> 20,
     )
     while True:
         if stop():
             return False
         time.sleep(ROOM_POLL_S)  # also a pause between restarts, should the query fail again at once
         if has_room(home):
-            print(f"{name}: the disk has room again; starting the query from its checkpoint", flush=True)
+            log.info("%s: the disk has room again; starting the query from its checkpoint", name)
             return True
 
 
@@ -171,8 +175,8 @@ def spark_session(cfg: Config, app_name: str, extra_conf: dict[str, str] | None 
         .config("spark.sql.streaming.minBatchesToRetain", "20")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.python.worker.reuse", "true")
-        # Checkpoint files without Hadoop's checksum files beside them (decision 0041): writing the
-        # offset and commit logs cost about 50 ms each per batch with them, about 25 ms without.
+        # Checkpoint files without Hadoop's checksum files beside them (decision 0041): writing and
+        # renaming a checksum file beside each offset and commit log entry slowed every batch.
         .config("spark.hadoop.fs.file.impl", "org.apache.hadoop.fs.RawLocalFileSystem")
         .config("spark.hadoop.fs.AbstractFileSystem.file.impl", "org.apache.hadoop.fs.local.RawLocalFs")
         # Through Hadoop's FileSystem API, not FileContext (decision 0044): FileContext's create and
@@ -265,7 +269,8 @@ def holds_nothing(owned: OwnedPids) -> bool:
 UNANSWERED_DRAIN_S = 20.0
 """A stopping instance whose assignment has not changed this long after the stop was asked is not being
 drained (no operator runs, or it is being deleted with the pipeline): it stops then, and resumes its pids
-from its checkpoint if it comes back. The operator answered within 2 s in the e2e's rolling updates."""
+from its checkpoint if it comes back. An operator that drains answers far sooner (docs/benchmarks.md,
+"Measurements behind the code's constants")."""
 
 
 class Drain:
@@ -297,18 +302,24 @@ class Drain:
         if self.deadline is None:
             self.deadline, self.asked_at, self.epoch_asked = now + self.timeout_s, now, owned.epoch
             self.health.enter(Phase.DRAINING)
-            print(f"{self.name}: stopping; waiting up to {self.timeout_s:g} s for its pids to move",
-                  flush=True)  # fmt: skip
+            log.info("%s: stopping; waiting up to %g s for its pids to move", self.name, self.timeout_s)
         if holds_nothing(owned):
-            print(f"{self.name}: holds no pid any more; stopping", flush=True)
+            log.info("%s: holds no pid any more; stopping", self.name)
             return True
         if owned.epoch == self.epoch_asked and now - self.asked_at >= UNANSWERED_DRAIN_S:
-            print(f"{self.name}: nobody moves its pids (no new assignment in {UNANSWERED_DRAIN_S:g} s); "
-                  "stopping (it resumes them from its checkpoint on return)", flush=True)  # fmt: skip
+            log.warning(
+                "%s: nobody moves its pids (no new assignment in %g s); "
+                "stopping (it resumes them from its checkpoint on return)",
+                self.name,
+                UNANSWERED_DRAIN_S,
+            )
             return True
         if now >= self.deadline:
-            print(f"{self.name}: still holds pids after {self.timeout_s:g} s; stopping (it resumes them "
-                  "from its checkpoint on return)", flush=True)  # fmt: skip
+            log.warning(
+                "%s: still holds pids after %g s; stopping (it resumes them from its checkpoint on return)",
+                self.name,
+                self.timeout_s,
+            )
             return True
         return False
 
@@ -370,13 +381,13 @@ def _run(
     ensure_topics(cfg, bootstrap)
     home = instance_dir(cfg, name)
     assignment = home / "assignment.json"
-    log = ControlLog(bootstrap, cfg.control_topic)
-    newest = log.catch_up().assignment
+    control = ControlLog(bootstrap, cfg.control_topic)
+    newest = control.catch_up().assignment
     known = (home / "incarnation").read_text().strip() if (home / "incarnation").exists() else None
     if newest is not None and home.exists() and eviction_entries(name, known) & set(newest.evicted):
-        print(f"{name}: declared dead while away; its pids live elsewhere now, rejoining empty", flush=True)
+        log.warning("%s: declared dead while away; its pids live elsewhere now, rejoining empty", name)
         shutil.rmtree(home)
-    follower = InstanceFollower(cfg, bootstrap, name, _incarnation(home), assignment, log)
+    follower = InstanceFollower(cfg, bootstrap, name, _incarnation(home), assignment, control)
     metrics.incarnation = follower.incarnation
     progress = QueryProgress(progress_ms=int(time.time() * 1000))
     follower.progress = progress.fields()
@@ -384,7 +395,7 @@ def _run(
         write_assignment(assignment, OwnedPids(epoch=0, pids=pids))  # static: no controller has spoken
     follower.start()  # follows the control log and heartbeats from here on
     if not assignment.exists():
-        print(f"{name}: waiting for an assignment on {cfg.control_topic}", flush=True)
+        log.info("%s: waiting for an assignment on %s", name, cfg.control_topic)
         wait_for(assignment.exists, timeout_s=3600, what="an assignment from the controller")
     health.enter(Phase.STARTING)
     spark = spark_session(cfg, f"fluxjoin-{name}")
@@ -410,7 +421,7 @@ def _run(
     signal.signal(signal.SIGINT, _stop)
     drain = Drain(name, cfg.instance.drain_timeout_s, assignment, health)
     health.enter(Phase.RUNNING)
-    print(f"{name}: running (incarnation {follower.incarnation}), checkpoint {home}", flush=True)
+    log.info("%s: running (incarnation %s), checkpoint %s", name, follower.incarnation, home)
     error = None
     try:
         while True:
@@ -436,8 +447,9 @@ def _run(
             # Spark writes each file aside and renames it); the batch runs again, and the sink skips
             # output already in Kafka.
             if stepped_back_s > CLOCK_STEP_BACK_S and error is None:  # decision 0054
-                print(f"{name}: the wall clock stepped back {stepped_back_s:.0f} s; starting the query again",
-                      flush=True)  # fmt: skip
+                log.warning(
+                    "%s: the wall clock stepped back %.0f s; starting the query again", name, stepped_back_s
+                )
                 query.stop()
                 sink.close()
             elif error is not None and failed_on_full_disk(error):  # decision 0053
@@ -454,7 +466,7 @@ def _run(
                 # it this producer's epoch, or the producer failed for good across a broker restart
                 # (decision 0052): a new sink initialises a new one.
                 sink.close()
-                print(f"{name}: {str(error).splitlines()[0][:300]}; starting the query again", flush=True)
+                log.warning("%s: %s; starting the query again", name, str(error).splitlines()[0][:300])
             else:
                 break
             query, sink = start_query(
@@ -462,7 +474,7 @@ def _run(
             )
     except (Py4JError, ConnectionError) as lost:  # the JVM exited: out of memory (see spark_session), killed
         health.enter(Phase.STOPPED, f"Spark's JVM is gone ({type(lost).__name__})")
-        print(f"{name}: Spark's JVM is gone ({type(lost).__name__}), exiting", file=sys.stderr, flush=True)
+        log.error("%s: Spark's JVM is gone (%s), exiting", name, type(lost).__name__)
         sys.exit(1)
     finally:
         follower.stop()  # no heartbeat outlives the query: the controller must see this instance dead
@@ -470,7 +482,7 @@ def _run(
         fenced = Fenced.__name__ in str(error)
         reason = "fenced: another instance owns its pids now" if fenced else f"query failed: {error}"
         health.enter(Phase.STOPPED, reason.splitlines()[0][:300])
-        print(f"{name}: {reason}", file=sys.stderr, flush=True)
+        log.error("%s: %s", name, reason)
         spark.stop()
         sys.exit(FENCED_EXIT_STATUS if fenced else 1)
     if follower.evicted.is_set():
@@ -482,5 +494,5 @@ def _run(
     query.stop()
     spark.stop()
     if follower.evicted.is_set():
-        print(f"{name}: evicted while it ran (declared dead); its pids live elsewhere now", file=sys.stderr)
+        log.error("%s: evicted while it ran (declared dead); its pids live elsewhere now", name)
         sys.exit(FENCED_EXIT_STATUS)

@@ -9,6 +9,7 @@ Spark's Python workers find them when they unpickle a partition.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from pipeline.rows import (
     WINDOW_ROW,
     pid_rows,
 )
+
+log = logging.getLogger(__name__)
 
 _READ_TIMEOUT_S = 60.0
 
@@ -194,7 +197,7 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                 if not broker_answers(consumer, TopicPartition(*min(pending))):
                     # An outage is waited out however long it lasts (decision 0052); the consumer
                     # reconnects by itself and reads on from where it was.
-                    print(f"reading ranges: Kafka at {bootstrap} is away, waiting", flush=True)
+                    log.warning("reading ranges: Kafka at %s is away, waiting", bootstrap)
                     deadline = time.monotonic() + _READ_TIMEOUT_S
                     continue
                 late = [f"{t}[{p}] {next_offset[(t, p)]}-{last_end[(t, p)]}" for t, p in sorted(pending)[:5]]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Container, Mapping
@@ -76,6 +77,8 @@ from pipeline.protocol import (
 )
 from pipeline.rows import TRACK_OLD
 from pipeline.topics import BOUNDED_READ, broker_away, partition_offsets, read_topic
+
+log = logging.getLogger(__name__)
 
 LATE_REASON = "late: event time below its input partition's newest before it minus the allowed lateness"
 # A batch whose transaction the broker aborted for a reason other than an outage is produced again in a
@@ -393,12 +396,18 @@ class ExactlyOnceSink:
         self._warned_at = now
         pid, stats = max(metrics["pids"].items(), key=lambda item: int(item[1]["results"]))
         key, by_key = stats["hot_key"] or (None, 0)
-        print(
-            f"{self.instance}: hot key: batch {metrics['batch']} made {metrics['results']:,} results from "
-            f"{metrics['tuples_in']:,} tuples ({metrics['results'] / bound:.0%} of "
-            f"instance.max_results_per_batch); pid {pid} made {int(stats['results']):,} of them, "
-            f"{by_key:,} on key {key}. Batches take fewer tuples while it lasts.",
-            flush=True,
+        log.warning(
+            "%s: hot key: batch %s made %s results from %s tuples (%s of instance.max_results_per_batch); "
+            "pid %s made %s of them, %s on key %s. Batches take fewer tuples while it lasts.",
+            self.instance,
+            metrics["batch"],
+            f"{metrics['results']:,}",
+            f"{metrics['tuples_in']:,}",
+            f"{metrics['results'] / bound:.0%}",
+            pid,
+            f"{int(stats['results']):,}",
+            f"{by_key:,}",
+            key,
         )
 
     def _warn_over_budget(self, metrics: dict[str, Any]) -> None:
@@ -444,8 +453,9 @@ class ExactlyOnceSink:
                     if error is None or not error.txn_requires_abort() or aborted >= TRANSACTION_ATTEMPTS:
                         raise
                     pause_s = min(30.0, 2.0**aborted)
-                print(f"{self.instance}: batch {batch_id} not committed ({reason}); again in {pause_s:g} s",
-                      flush=True)  # fmt: skip
+                log.warning(
+                    "%s: batch %s not committed (%s); again in %g s", self.instance, batch_id, reason, pause_s
+                )
                 if self._in_transaction:
                     self._retrying(self.producer.abort_transaction)
                 time.sleep(pause_s)
@@ -516,7 +526,7 @@ class ExactlyOnceSink:
             except KafkaException as exc:
                 if not exc.args[0].retriable():
                     raise
-                print(f"{self.instance}: {exc.args[0].str()}; trying again", flush=True)
+                log.warning("%s: %s; trying again", self.instance, exc.args[0].str())
                 time.sleep(1.0)
         self._in_transaction = False
 
@@ -763,7 +773,7 @@ class ExactlyOnceSink:
         try:
             ends = partition_offsets(self.admin, wanted, timeout_s=LAG_TIMEOUT_S)
         except KafkaException as exc:
-            print(f"{self.instance}: input lag unknown, the last known is reported ({exc})", flush=True)
+            log.warning("%s: input lag unknown, the last known is reported (%s)", self.instance, exc)
             return self._last_lag
         lag: dict[str, int] = {}
         for (topic, pid), end in ends.items():

@@ -17,6 +17,7 @@ file's format in `pipeline/instance_files.py`.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ from pipeline.rows import (
     WATERMARK_ROW,
     WINDOW_ROW,
 )
+
+log = logging.getLogger(__name__)
 
 SOURCE_NAME = "fluxjoin"
 SAMPLE_EVERY_S = 30.0
@@ -209,9 +212,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             except KafkaException as exc:
                 if not broker_away(exc):
                     raise
-                print(
-                    f"{self.instance}: input offsets unknown, the broker is away ({exc}); asking again",
-                    flush=True,
+                log.warning(
+                    "%s: input offsets unknown, the broker is away (%s); asking again", self.instance, exc
                 )
                 time.sleep(2.0)
         topic_to_stream = dict(zip(self.topics, self.streams, strict=True))
@@ -466,7 +468,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
 
     def _probe(self) -> Any:
         """The reader's consumer of single messages: a sample's size, the records before a replay's
-        cutoff (`BOUNDED_READ`: each had cost half a second or more)."""
+        cutoff (`BOUNDED_READ`: each had waited behind the broker's long poll, decision 0034)."""
         from confluent_kafka import Consumer
 
         from pipeline.topics import BOUNDED_READ
@@ -500,7 +502,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             carried = {k: start.get(k, {}) for k in ("tracking", "taken")}
             return {"epoch": owned.epoch, **carried, "offsets": end} | next_pid
         if start["epoch"] == -1:
-            self._probe()  # connected before a replay needs it: a fresh one's first read took 1 s
+            self._probe()  # connected before a replay needs it: a first read is slow (decision 0034)
         plan = self._change_epoch(start, owned)
         self._announce_releases(plan, tracks=False)
         held: Offsets = plan["offsets"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -32,21 +31,23 @@ DEFAULT_TIMEOUT_S = 10.0
 
 VISIBLE_TIMEOUT_S = 60.0
 """How long created topics may take to show in metadata: a broker that has just restarted over many
-partitions accepts a creation at once but was measured taking 11 s to show it."""
+partitions accepts a creation at once but can take many seconds to show it (docs/benchmarks.md,
+"Measurements behind the code's constants")."""
 
 BOUNDED_READ = {"fetch.wait.max.ms": 10}
 """Consumer settings for reading offsets known to exist (a range below the end, one message). A fetch
 that finds nothing new waits at the broker for up to `fetch.wait.max.ms` (500 ms by default), and the
 broker answers a connection's requests in order: the next assignment's first fetch, or an
-`offsets_for_times`, waited behind it. Measured on a local broker: reading a 20-message range at the
-end of a partition every 0.1 s took 0.40 s per read with the default, 3 ms with this; a replay's reach
-(two single messages and one `offsets_for_times`) 1.0 s and 15 ms."""
+`offsets_for_times`, waited behind it (decision 0034 measures the difference)."""
 
 # librdkafka's own log lines (e.g. a connection refused every 50 ms while a broker is down) go to
-# this logger instead of straight to stderr: an application that configures logging sees them, a
-# command line tool shows the one clear error raised here instead.
+# this logger instead of straight to stderr: an application that configures logging may show them, a
+# command line tool shows the one clear error raised here instead (fluxjoin's own processes keep them
+# out of their log: `pipeline.process_log`).
 KAFKA_LOG = logging.getLogger("fluxjoin.kafka")
 KAFKA_LOG.addHandler(logging.NullHandler())
+
+log = logging.getLogger(__name__)
 
 
 class TopicError(ValueError):
@@ -319,8 +320,8 @@ def read_records(
 ) -> Iterator[tuple[int, int, bytes | None]]:
     """Every committed message of `topic` up to its current end, tombstones (None) included.
 
-    A broker that is away, at the start or mid-read, is waited for however long, saying so once on
-    stderr; the read fails after `timeout_s` without a message only while the broker answers.
+    A broker that is away, at the start or mid-read, is waited for however long, saying so once in the
+    log; the read fails after `timeout_s` without a message only while the broker answers.
 
     The end is the last stable offset: what another producer's transaction still open holds back, even
     messages committed after its first, is left out. `settled` reads to the high watermark instead, once
@@ -386,18 +387,14 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class _Away:
-    """A reader's outages: each announced once on stderr, every call retried while the broker is away."""
+    """A reader's outages: each announced once in the log, every call retried while the broker is away."""
 
     topic: str
     announced: bool = False
 
     def note(self, why: str) -> None:
         if not self.announced:
-            print(
-                f"reading {self.topic}: the broker is away ({why}); waiting for it",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.warning("reading %s: the broker is away (%s); waiting for it", self.topic, why)
             self.announced = True
 
     def wait_out(self, call: Callable[[], T]) -> T:

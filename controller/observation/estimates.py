@@ -50,9 +50,9 @@ def fixed_cost_s(batches: Sequence[dict[str, Any]], empty_s: float | None = None
     more input costs less is noise, and no batch costs less than its fixed part), and no longer than
     the shortest batch that read nothing, among these and `empty_s` (the instance's shortest such
     batch so far, kept beyond the history at hand). A batch that read nothing is the fixed cost
-    measured directly; in a steady spell every batch reads about as many tuples, the line's intercept
-    is poorly determined, and it was measured at 3.5-4.2 s where empty batches took 2.2-2.8 s
-    (docs/load-model.md, "Busy fraction and fixed cost").
+    measured directly; in a steady spell every batch reads about as many tuples, and the line's
+    intercept is poorly determined, well above what the empty batches took (docs/load-model.md, "Busy
+    fraction and fixed cost").
 
     Before MIN_FIT_BATCHES batches, or with tuple counts all alike, it is the shortest batch that read
     nothing (an instance's second batch, before its input starts, or a release), no longer than the
@@ -91,9 +91,9 @@ def described_by(history: Sequence[dict[str, Any]], since_ms: float) -> list[dic
 def cost_per_tuple_s(described: Sequence[dict[str, Any]], fixed_s: float) -> float | None:
     """Seconds a tuple costs the instance: the time its described batches that read input took beyond
     their fixed cost, over the tuples they read; None if they read none. A batch that read nothing
-    says nothing of a tuple's cost: early in the input, an instance's warm-up batch (15 s, Spark
-    starting) counted as per-tuple time made a near-idle instance's tuple cost 28 ms, not 1 ms
-    (docs/load-model.md, "Warm-up")."""
+    says nothing of a tuple's cost: early in the input, an instance's warm-up batch (Spark starting)
+    counted as per-tuple time made a near-idle instance's tuples read many times dearer than they were
+    (docs/load-model.md, "A tuple's cost")."""
     priced = [b for b in described if b["tuples_in"] > 0]
     if not priced:
         return None
@@ -113,9 +113,9 @@ def demand_from_progress(history: Sequence[dict[str, Any]], owns: set[int]) -> f
     A micro-batch reads what arrived while the one before it ran, so an instance that keeps up
     advances a trigger's worth of input per batch (the ratio is its busy fraction), one that is behind
     advances as much input as its previous batch took time (the ratio is the growth of its batches,
-    above 1), and one catching up advances more than it takes (below 1). It needs no cost model: in run
-    AC a donor left with five hot pids read a modelled demand of 0.47-0.78 while its batches grew from
-    15 s to 36 s (docs/load-model.md, "Demand and progress").
+    above 1), and one catching up advances more than it takes (below 1). It needs no cost model: a
+    donor left with five hot pids read a modelled demand below 1 while its batches grew
+    (docs/load-model.md, "Demand and progress").
 
     A batch counts only when it read nothing its predecessor did not (not a receiver's first batch
     of a pid, which reads a backlog) and only pids the instance owns (`owns`; not a release, nor a
@@ -146,7 +146,7 @@ def demand_from_progress(history: Sequence[dict[str, Any]], owns: set[int]) -> f
 def first_of_new_input(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The batches of an instance's `history` (oldest first) that read input after one that read none:
     the first batch of new input pays for compiling the join, and its cost per tuple on a near-idle
-    instance (9.6 ms in the skew benchmark) is several times a later batch's (1.5 ms)."""
+    instance is several times a later batch's (docs/load-model.md, "A tuple's cost")."""
     return [
         b for k, b in enumerate(history) if k > 0 and b["tuples_in"] > 0 and history[k - 1]["tuples_in"] == 0
     ]

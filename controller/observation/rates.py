@@ -90,10 +90,9 @@ def warming_up(history: Sequence[dict[str, Any]], reading: dict[str, Any] | None
 
     Its load is not measured until then. A pid read once has no arrival rate (`arrival_rates`), and
     without a finished batch with input a tuple's cost to it is unknown: in the skew benchmark a hot
-    instance inside its first batch with input read U 0.11 and received seven pids, and one whose
-    first batch had ended 30 ms before the round read U 0.58, its pids counted at a sixth of their
-    rate, and received four (docs/load-model.md, "Warm-up"). It lasts one batch and the reading of the
-    next."""
+    instance inside its first batch with input read as nearly idle and received pids, and so did one
+    whose first batch had ended just before the round, its pids counted at a fraction of their rate
+    (docs/load-model.md, "Warm-up"). It lasts one batch and the reading of the next."""
     read = [b for b in history if b["tuples_in"] > 0]
     if not read:
         return reading is not None and any(s["in"] > 0 for s in reading["pids"].values())

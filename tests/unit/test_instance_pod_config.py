@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+import fluxjoin.run
 import pipeline.instance
 from controller.k8s.manifests import (
     CONFIG_HASH_ANNOTATION,
@@ -76,6 +77,8 @@ def _start_pod(
     monkeypatch.setattr(
         pipeline.instance, "run_instance", lambda *args, **kwargs: started.append((*args, kwargs))
     )
+    # The process's logging is this test process's: the command must not configure it here.
+    monkeypatch.setattr(fluxjoin.run, "configure_logging", lambda: None)
     result = CliRunner().invoke(app, [as_in_pod(a) for a in container["args"]])
     assert result.exit_code == 0, result.output
     ((cfg, bootstrap, name, pids, kwargs),) = started

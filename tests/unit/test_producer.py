@@ -3,6 +3,7 @@ records and late tuples are written (no Kafka)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import numpy as np
@@ -416,16 +417,17 @@ def test_stream_lag_is_refused_in_max_rate_mode_and_late_tuples_need_an_end() ->
 
 
 def test_a_generator_whose_stderr_is_no_terminal_says_how_far_it_got_every_30_s(
-    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A pod's log gets a plain line every 30 s instead of a progress bar drawn only at the end."""
     from generator.producer import _Progress
 
+    caplog.set_level(logging.INFO, logger="generator.producer")
     display = _Progress(enabled=True, total=None)
     for tuples, seconds in ((1_000, 10.0), (3_000, 30.5), (4_000, 45.0), (6_000, 60.0)):
         display.update(tuples, seconds)
     display.close()
-    assert capsys.readouterr().err.splitlines() == [
+    assert caplog.messages == [
         "generator: 3,000 tuples in 30 s (98 tuples/s)",
         "generator: 6,000 tuples in 60 s (100 tuples/s)",
     ]
