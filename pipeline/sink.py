@@ -418,10 +418,12 @@ class ExactlyOnceSink:
         if held <= budget or now - self._over_budget_said_at < HOT_WARNING_EVERY_S:
             return
         self._over_budget_said_at = now
-        print(
-            f"{self.instance}: its windows hold {held:,} bytes, over its state budget of {budget:,} "
-            f"({len(self._held)} pids)",
-            flush=True,
+        log.warning(
+            "%s: its windows hold %s bytes, over its state budget of %s (%d pids)",
+            self.instance,
+            f"{held:,}",
+            f"{budget:,}",
+            len(self._held),
         )
 
     def _held_state(self, offsets: dict[str, Any], pids: dict[str, dict[str, Any]]) -> int:
