@@ -17,7 +17,6 @@ from fluxjoin.options import (
     BootstrapOpt,
     ConfigOpt,
     JsonOpt,
-    ModeOpt,
     SetOpt,
     broker_address,
     fail,
@@ -92,17 +91,21 @@ def demo(
     bootstrap: BootstrapOpt = None,
     json_: JsonOpt = False,
     duration: Annotated[float, typer.Option(help="Seconds of input to generate.")] = 150.0,
-    policy: Annotated[str, typer.Option(help="Controller policy: flux, static or memory.")] = "flux",
+    policy: Annotated[
+        str | None, typer.Option(help="Controller policy (default: the config's policy.name, flux).")
+    ] = None,
 ) -> None:
     """Embedded Kafka, generator, controller, N instances, live view, verification and a report."""
     from controller.policies import POLICIES
     from local.demo import DEMO_DEFAULTS, run_demo
 
-    if policy not in POLICIES:
-        fail(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     cfg = read_config(config, [*DEMO_DEFAULTS, *(set_ or [])], bootstrap)
+    if policy is not None:
+        cfg = cfg.with_overrides(**{"policy.name": policy})
+    if cfg.policy.name not in POLICIES:
+        fail(f"unknown policy {cfg.policy.name!r}; choose from {', '.join(POLICIES)}")
     try:
-        summary = run_demo(cfg, duration_s=duration, json_output=json_, policy=policy)
+        summary = run_demo(cfg, duration_s=duration, json_output=json_)
     except user_errors() as exc:
         fail(str(exc))
     if json_:
@@ -114,8 +117,14 @@ def controller(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     bootstrap: BootstrapOpt = None,
-    policy: Annotated[str, typer.Option(help="static, flux, memory, flux-memory or hybrid.")] = "flux",
-    mode: ModeOpt = "transfer",
+    policy: Annotated[
+        str | None,
+        typer.Option(help="static, flux, memory, flux-memory or hybrid (default: the config's policy.name)."),
+    ] = None,
+    mode: Annotated[
+        str | None,
+        typer.Option(help="Handoff mode: transfer, replay or parallel-track (default: policy.handoff_mode)."),
+    ] = None,
     heartbeat_timeout: Annotated[float, typer.Option(help="Seconds without a heartbeat = dead.")] = 10.0,
     dry_run: Annotated[bool, typer.Option(help="Print decisions, move nothing.")] = False,
     policy_param: Annotated[
@@ -134,13 +143,18 @@ def controller(
     from controller.runner import run_controller
 
     cfg = read_config(config, set_, bootstrap)
+    policy = policy or cfg.policy.name
     if policy not in POLICIES:
         fail(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    # The config's parameters are the configured policy's: another one chosen here starts from its defaults.
+    configured = dict(cfg.policy.params) if policy == cfg.policy.name else {}
     try:
         settings = {k: float(v) for k, v in (item.split("=", 1) for item in policy_param or [])}
-        params = policy_params(policy, handoff_mode(mode), **settings)
+        params = policy_params(
+            policy, handoff_mode(mode or cfg.policy.handoff_mode), **(configured | settings)
+        )
     except (ValueError, TypeError) as exc:
-        fail(f"--policy-param: {exc}")
+        fail(f"policy parameters: {exc}")
     from controller.moves.kafka_mover import ControllerFenced
     from pipeline.control import FENCED_EXIT_STATUS
 

@@ -161,7 +161,7 @@ def _plot(path: Path, stats: LiveStats) -> bool:
     return True
 
 
-def run_demo(cfg: Config, duration_s: float, json_output: bool, policy: str = "flux") -> dict[str, Any]:
+def run_demo(cfg: Config, duration_s: float, json_output: bool) -> dict[str, Any]:
     from local import kafka_runtime
 
     console = Console(stderr=True)
@@ -169,12 +169,10 @@ def run_demo(cfg: Config, duration_s: float, json_output: bool, policy: str = "f
     if not cfg.bootstrap:
         console.print("starting the embedded Kafka broker ...")
     with kafka_runtime.broker_unless(cfg.bootstrap) as bootstrap:
-        return _run_and_verify(cfg, bootstrap, console, json_output, policy)
+        return _run_and_verify(cfg, bootstrap, console, json_output)
 
 
-def _run_and_verify(
-    cfg: Config, bootstrap: str, console: Console, json_output: bool, policy: str
-) -> dict[str, Any]:
+def _run_and_verify(cfg: Config, bootstrap: str, console: Console, json_output: bool) -> dict[str, Any]:
     from pipeline.oracle import verify_pipeline
     from pipeline.topics import check_reachable, ensure_topics
 
@@ -184,7 +182,7 @@ def _run_and_verify(
         check_reachable(bootstrap)
         ensure_topics(cfg, bootstrap)
         pipeline = LocalPipeline(cfg, bootstrap, Path(cfg.instance.work_dir).resolve() / cfg.pipeline)
-        stats, run_s = _run_live(pipeline, cfg, console, json_output, policy)
+        stats, run_s = _run_live(pipeline, cfg, console, json_output)
         pipeline.stop()
         console.print("verifying against the oracle ...")
         report = verify_pipeline(pipeline.cfg, bootstrap, progress=lambda m: console.print(f"  {m}"))
@@ -205,7 +203,7 @@ def _run_and_verify(
             "latency_p50_s": p50,
             "latency_p99_s": p99,
             "exact": report.exact,
-            "policy": policy,
+            "policy": cfg.policy.name,
             "moves": sum(1 for e in controller_events(pipeline) if e.endswith("started")),
         }
         path = write_report(Path("reports") / cfg.pipeline, cfg, stats, summary)
@@ -220,7 +218,7 @@ def _run_and_verify(
 
 
 def _run_live(
-    pipeline: LocalPipeline, cfg: Config, console: Console, json_output: bool, policy: str
+    pipeline: LocalPipeline, cfg: Config, console: Console, json_output: bool
 ) -> tuple[LiveStats, float]:
     """Start the controller, instances and generator, show the live view until all input is processed."""
     from controller.runner import instance_names
@@ -228,7 +226,7 @@ def _run_live(
 
     stats = LiveStats()
     t0 = time.monotonic()
-    pipeline.start_controller(policy=policy)
+    pipeline.start_controller()  # the policy of the config
     names = instance_names(cfg.instances)
     for name in names:
         pipeline.start_instance(name)
@@ -238,7 +236,7 @@ def _run_live(
     follower = MetricsFollower(pipeline.cfg, pipeline.bootstrap)
     control = ControlLog(pipeline.bootstrap, pipeline.cfg.control_topic)
     console.print(
-        f"pipeline {cfg.pipeline}: {cfg.instances} instances, policy {policy}, generating for "
+        f"pipeline {cfg.pipeline}: {cfg.instances} instances, policy {cfg.policy.name}, generating for "
         f"{cfg.generator.duration_s:.0f} s; logs in {pipeline.work}"
     )
     try:

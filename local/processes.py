@@ -124,16 +124,19 @@ class LocalPipeline:
 
     def start_controller(
         self,
-        policy: str = "flux",
-        mode: str = "transfer",
+        policy: str | None = None,
+        mode: str | None = None,
         heartbeat_timeout_s: float = 10,
         policy_params: dict[str, float] | None = None,
         name: str = "controller",
         decisions: Path | None = None,
     ) -> None:
         """Start a controller process as `name` (a second one under another name contends for the log),
-        recording its rounds' decisions to `decisions` if given (`fluxjoin controller --decisions`)."""
-        args = ["--policy", policy, "--mode", mode, "--heartbeat-timeout", str(heartbeat_timeout_s)]
+        with the config's policy and handoff mode unless `policy` or `mode` say otherwise, recording its
+        rounds' decisions to `decisions` if given (`fluxjoin controller --decisions`)."""
+        args = ["--heartbeat-timeout", str(heartbeat_timeout_s)]
+        args += ["--policy", policy] if policy else []
+        args += ["--mode", mode] if mode else []
         for key, value in (policy_params or {}).items():
             args += ["--policy-param", f"{key}={value}"]
         if decisions is not None:

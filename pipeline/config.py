@@ -268,6 +268,20 @@ class TopicsConfig(_Strict):
         return self
 
 
+class PolicyConfig(_Strict):
+    """The controller's policy (`fluxjoin controller`, whose --policy, --mode and --policy-param
+    override it; on Kubernetes, `spec.policy` and `spec.handoffMode`). Names and parameters are checked
+    against `controller.policies` when the controller starts."""
+
+    # static, flux, memory, flux-memory or hybrid.
+    name: str = "flux"
+    # How the policy's moves hand a pid's window over.
+    handoff_mode: Literal["transfer", "replay", "parallel_track"] = "transfer"
+    # The policy's parameters by their names in its module (e.g. th_imb: 1.5; 0/1 or false/true for a
+    # yes/no one); the others keep the defaults the papers give.
+    params: dict[str, float] = Field(default_factory=dict)
+
+
 class Config(_Strict):
     pipeline: str = Field("fluxjoin", pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,100}$")
     bootstrap: str | None = None
@@ -279,6 +293,7 @@ class Config(_Strict):
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     instance: InstanceConfig = Field(default_factory=InstanceConfig)
     topics: TopicsConfig = Field(default_factory=TopicsConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:

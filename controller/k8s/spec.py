@@ -17,7 +17,7 @@ from controller.assignment import HandoffMode
 from controller.k8s.resource import JoinPipelineSpec
 from controller.policies.params import policy_params
 from controller.scaling import instance_name
-from pipeline.config import Config, InstanceConfig, TopicsConfig
+from pipeline.config import Config, InstanceConfig, PolicyConfig, TopicsConfig
 from pipeline.health import DEFAULT_METRICS_PORT
 
 GROUP, VERSION, PLURAL, KIND = "fluxjoin.io", "v1alpha1", "joinpipelines", "JoinPipeline"
@@ -123,6 +123,9 @@ class PipelineSpec:
             instances=self.replicas,
             instance=self.instance,
             topics=self.topics,
+            policy=PolicyConfig(
+                name=self.policy, handoff_mode=self.handoff_mode.value, params=dict(self.policy_settings)
+            ),
         )
 
     def instances(self, width: int) -> list[str]:

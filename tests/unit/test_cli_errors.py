@@ -44,6 +44,27 @@ def test_a_command_without_a_broker_says_so_in_one_line(command: list[str]) -> N
             "error: SASL_SSL needs FLUXJOIN_KAFKA_SASL_MECHANISM: one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512",
             id="incomplete-kafka-security",
         ),
+        pytest.param(
+            ["controller", "--set", "policy.name=chaos"], {},
+            "error: unknown policy 'chaos'; choose from static, flux, memory, flux-memory, hybrid",
+            id="unknown-configured-policy",
+        ),
+        pytest.param(
+            ["controller", "--set", "policy={name: flux-memory, params: {th_imb: 0.5}}"], {},
+            "error: policy parameters: th_imb must be >= 1, got 0.5",
+            id="configured-policy-parameter-refused",
+        ),
+        pytest.param(
+            ["controller", "--set", "policy.params={th_imb: 0.5}", "--policy", "memory",
+             "--policy-param", "theta_d=2"], {},
+            "error: policy parameters: theta_d must be in (0, 1], got 2.0",
+            id="the-configs-parameters-are-its-policys-only",
+        ),
+        pytest.param(
+            ["budget", "instance-0", "lots"], {},
+            "error: 'lots' is not a size (256m, 1g, or bytes)",
+            id="budget-not-a-size",
+        ),
     ],
 )  # fmt: skip
 def test_a_usage_or_configuration_error_is_one_line_and_exit_status_2(
