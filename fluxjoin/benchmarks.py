@@ -185,6 +185,31 @@ def bench_convergence(
     print(json.dumps(compact) if shared.json else json.dumps(summary, indent=2))
 
 
+@_pipeline_bench("loaded")
+def bench_loaded(
+    shared: SharedOptions,
+    rate: Annotated[float, typer.Option(help="Input tuples/s in total.")] = 2000,
+    instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
+    cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.4,
+    slowed_cores: Annotated[float, typer.Option(help="CPU cores a slowed instance keeps.")] = 0.1,
+    k: Annotated[int, typer.Option(help="Instances slowed in the second phase.")] = 2,
+    calm_s: Annotated[float, typer.Option(help="Seconds before the first slowdown and after the last.")] = 30,
+    slow_s: Annotated[float, typer.Option(help="Seconds of each slowed phase.")] = 60,
+) -> None:
+    """Flux's loaded machines (Figs. 7 and 8): tuples joined per second while one, then k instances run
+    on a cut CPU quota, static against flux, with the recovery time after each slowdown; both outputs
+    checked against the oracle (exit 1 if one is not exact)."""
+    from bench.loaded import run_loaded_bench
+
+    summary = run_loaded_bench(shared.cfg, rate, instances, cpu, slowed_cores, k, calm_s, slow_s, shared.say)
+    compact = {
+        key: {k2: v for k2, v in value.items() if k2 != "series"} if isinstance(value, dict) else value
+        for key, value in summary.items()
+    }
+    print(json.dumps(compact) if shared.json else json.dumps(summary, indent=2))
+    raise typer.Exit(0 if summary["static"]["exact"] and summary["flux"]["exact"] else 1)
+
+
 @_pipeline_bench("soak")
 def bench_soak(
     shared: SharedOptions,

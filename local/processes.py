@@ -143,6 +143,15 @@ class LocalPipeline:
             args += ["--decisions", str(decisions)]
         self._spawn(name, ["controller", *args])
 
+    def set_cpu_limit(self, name: str, cores: float) -> None:
+        """Change the CPU quota of `name`, started under one (`instance.cpu_limit`), while it runs: to
+        the process it is as if another load on its machine took the rest (Flux's loaded machines)."""
+        from local.cpu_budget import make_group
+
+        if name not in self.budgeted:
+            raise ValueError(f"{name} runs without a CPU quota (instance.cpu_limit is not set)")
+        make_group(f"{self.cfg.pipeline}-{name}", cores)
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal `name` and forget it (a deliberate kill is no failure). SIGKILL goes to its process
         group, so that an instance's JVM dies with it; any other signal to the process alone, as in
