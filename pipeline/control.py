@@ -256,7 +256,14 @@ class InstanceFollower:
     """
 
     def __init__(
-        self, cfg: Config, bootstrap: str, instance: str, incarnation: str, assignment: Path, log: ControlLog
+        self,
+        cfg: Config,
+        bootstrap: str,
+        instance: str,
+        incarnation: str,
+        assignment: Path,
+        log: ControlLog,
+        stalled_s: Callable[[], float] | None = None,
     ) -> None:
         from confluent_kafka import Producer
 
@@ -279,8 +286,12 @@ class InstanceFollower:
         """Set by the instance once its query has completed a batch. Heartbeats start before Spark
         does, so that a restarting instance is not taken for dead; until it serves, the controller
         hands it no pids, which would pause until its query had started (decision 0043)."""
-        self._progress: dict[str, int] = {}
-        self._progressed_at = time.monotonic()  # when `progress` last changed, on this host's monotonic clock
+        self.progress: dict[str, int] = {}
+        """How far the instance's query has got (`pipeline.instance.QueryProgress.fields`), set by the
+        instance's main loop twice a second; a heartbeat carries it."""
+        self.stalled_s = stalled_s
+        """Seconds since the query last progressed: the instance's one stall clock
+        (`pipeline.health.InstanceHealth.progress_age_s`), which its /healthz judges too."""
         self.evicted = threading.Event()
         """Set once the log evicts this incarnation: the instance stops (`FENCED_EXIT_STATUS`) even when
         no batch of its query would meet the sink's fence (it holds no pid, or its query is idle)."""
@@ -288,29 +299,6 @@ class InstanceFollower:
         self.state_budget = cfg.instance.state_budget()
         """The bytes of window state this instance may hold: set while it runs (`BudgetMsg`), else
         configured. The sink reports it next to the state its windows hold."""
-
-    @property
-    def progress(self) -> dict[str, int]:
-        """How far the instance's query has got (`pipeline.instance.QueryProgress.fields`)."""
-        return self._progress
-
-    @progress.setter
-    def progress(self, fields: dict[str, int]) -> None:
-        """Set by the instance's main loop, twice a second. Whenever the fields change (the query
-        completed a batch or waited between triggers: its `progress_ms` moved, whichever way a step of
-        the wall clock moved it), the query progressed now, as the monotonic clock tells: the heartbeat
-        says how long ago that was (`stalled_ms`), which no step of this host's wall clock fakes or
-        hides, and which goes on growing when the main loop itself hangs."""
-        if fields != self._progress:
-            self._progressed_at = time.monotonic()
-        self._progress = fields
-
-    def waited_on_broker(self) -> None:
-        """The query waits on a broker that is away (its batch in flight or the control log's read):
-        that is no stall, and its heartbeats' `stalled_ms` counts from the broker's return. Counted
-        through an outage, a stop as long as the controller's progress timeout had this instance
-        declared dead as soon as its first heartbeat after the outage arrived (decision 0052)."""
-        self._progressed_at = time.monotonic()
 
     def sync(self) -> None:
         """Write the assignment file if the control log has a newer epoch than the file. Never an older
@@ -348,8 +336,8 @@ class InstanceFollower:
                 **self.progress,
                 "time_ms": int(time.time() * 1000),  # the controller ages it by the broker's clock
             }
-            if self.progress:
-                beat["stalled_ms"] = int((time.monotonic() - self._progressed_at) * 1000)
+            if self.progress and self.stalled_s is not None:
+                beat["stalled_ms"] = int(self.stalled_s() * 1000)
             self._producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(beat))
         self._producer.poll(0)
 

@@ -387,7 +387,9 @@ def _run(
     if newest is not None and home.exists() and eviction_entries(name, known) & set(newest.evicted):
         log.warning("%s: declared dead while away; its pids live elsewhere now, rejoining empty", name)
         shutil.rmtree(home)
-    follower = InstanceFollower(cfg, bootstrap, name, _incarnation(home), assignment, control)
+    follower = InstanceFollower(
+        cfg, bootstrap, name, _incarnation(home), assignment, control, health.progress_age_s
+    )
     metrics.incarnation = follower.incarnation
     progress = QueryProgress(progress_ms=int(time.time() * 1000))
     follower.progress = progress.fields()
@@ -434,8 +436,6 @@ def _run(
                 health.observe(progress.progress_ms, progress.batch, follower.serving)
                 away = sink.broker_away or follower.broker_away
                 health.broker(away)
-                if away:
-                    follower.waited_on_broker()
                 time.sleep(0.5) if stopping.is_set() else stopping.wait(0.5)
                 now_less_monotonic = time.time() - time.monotonic()
                 stepped_back_s = wall_less_monotonic - now_less_monotonic

@@ -3,16 +3,19 @@ reports and the sink's batch records are played in by hand."""
 
 from __future__ import annotations
 
+import json
 import socket
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.config import Config
+from pipeline.control import ControlLog, InstanceFollower
 from pipeline.health import (
     LATENCY_BUCKETS,
     InstanceHealth,
@@ -124,6 +127,51 @@ def test_a_draining_instance_is_not_ready_and_its_query_must_still_progress() ->
     assert health.liveness() == (True, Phase.DRAINING.value)
     clock.now += 61
     assert not health.liveness()[0]
+
+
+class _Sent:
+    """A producer that keeps what it is given (the heartbeat's producer, without a broker)."""
+
+    def __init__(self) -> None:
+        self.values: list[dict[str, Any]] = []
+
+    def produce(self, topic: str, key: str, value: str) -> None:
+        self.values.append(json.loads(value))
+
+    def poll(self, timeout: float) -> int:
+        return 0
+
+
+def test_the_heartbeats_stall_is_the_one_the_health_probe_judges(tmp_path: Path) -> None:
+    """One stall clock: what the controller reads in `stalled_ms` is what /healthz judges, an outage of
+    the broker included (decision 0052)."""
+    health, clock = _health(stall_s=60)
+    follower = InstanceFollower(
+        Config(),
+        "127.0.0.1:1",
+        "i-0",
+        "inc",
+        tmp_path / "a.json",
+        cast(ControlLog, None),
+        health.progress_age_s,
+    )
+    sent = _Sent()
+    follower._producer = cast(Any, sent)
+    health.enter(Phase.RUNNING)
+    health.observe(progress_ms=1_000, batch=3, serving=True)
+    follower.progress = {"batch": 3, "progress_ms": 1_000}
+    clock.now += 42
+    follower.heartbeat()
+    assert sent.values[-1]["stalled_ms"] == 42_000
+    for _ in range(90):
+        clock.now += 1
+        health.broker("Failed to query partition leaders: No leaders found")
+    health.broker("")
+    follower.heartbeat()
+    assert sent.values[-1]["stalled_ms"] == 0, "counted from the broker's return"
+    clock.now += 61
+    follower.heartbeat()
+    assert sent.values[-1]["stalled_ms"] == 61_000 and not health.liveness()[0]
 
 
 # --- metrics ---
