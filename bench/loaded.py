@@ -12,14 +12,13 @@ bucket up to the next change. Each variant's output is judged by the oracle.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.run import bench_run, drain, save_report, start_warm
+from bench.run import bench_run, drain, moved_pids, save_report, start_warm
 from bench.skew import FLUX_SKEW_MODE, flux_skew_params
 from local.processes import LocalPipeline, MetricsFollower
 from pipeline.config import Config
@@ -160,7 +159,7 @@ def run_variant(
         "recovery_s": {
             p.name: recovery_s(series, rate, p.at_s, to) for p, to in zip(phases, ends, strict=True)
         },
-        "moves": _moves(decisions),
+        "moves": moved_pids(decisions),
         "exact": report.exact,
         "missing": report.missing,
         "duplicate": report.duplicate,
@@ -169,13 +168,6 @@ def run_variant(
     }
     say(f"{policy}: { ({k: v for k, v in point.items() if k != 'series'}) }")
     return point
-
-
-def _moves(decisions: Path) -> int:
-    """The pids the controller's rounds moved (`fluxjoin controller --decisions`)."""
-    if not decisions.exists():
-        return 0
-    return sum(len(json.loads(line)["moves"]) for line in decisions.read_text().splitlines() if line)
 
 
 def run_loaded_bench(

@@ -135,6 +135,14 @@ def start_warm(
     pipeline.start_generator()
 
 
+def moved_pids(decisions: Path) -> int:
+    """The pids a controller's rounds moved, from its decisions file (`fluxjoin controller --decisions`;
+    0 when it wrote none)."""
+    if not decisions.exists():
+        return 0
+    return sum(len(json.loads(line)["moves"]) for line in decisions.read_text().splitlines() if line)
+
+
 def rounded_median(values: Sequence[float]) -> float | None:
     """The median to two decimals, None without values."""
     return round(statistics.median(values), 2) if values else None

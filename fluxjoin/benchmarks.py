@@ -210,6 +210,34 @@ def bench_loaded(
     raise typer.Exit(0 if summary["static"]["exact"] and summary["flux"]["exact"] else 1)
 
 
+@_pipeline_bench("memory")
+def bench_memory(
+    shared: SharedOptions,
+    rate: Annotated[float, typer.Option(help="Input tuples/s in total.")] = 2000,
+    instances: Annotated[int, typer.Option(help="Join instances.")] = 3,
+    window_s: Annotated[float, typer.Option(help="Window W in seconds: the state grows with it.")] = 20,
+    squeeze_at_s: Annotated[float, typer.Option(help="Seconds into the input when the budget is cut.")] = 40,
+    squeeze_to: Annotated[
+        float, typer.Option(help="The squeezed budget, as a share of what the windows hold then.")
+    ] = 0.5,
+    seconds: Annotated[float, typer.Option(help="Seconds of input per variant.")] = 120,
+    variants: Annotated[str, typer.Option(help="Policies to run.")] = ",".join(
+        ("static", "memory", "flux-memory", "hybrid")
+    ),
+) -> None:
+    """A memory squeeze: one instance's state budget cut below what its windows hold, with no adaptation
+    and each memory policy; per variant the time over budget, the peak fill, moves and results, each
+    output checked against the oracle (exit 1 if one is not exact)."""
+    from bench.memory import run_memory_bench
+
+    chosen = [v for v in variants.split(",") if v]
+    summary = run_memory_bench(
+        shared.cfg, rate, instances, window_s, squeeze_at_s, squeeze_to, seconds, chosen, shared.say
+    )
+    print(json.dumps(summary) if shared.json else json.dumps(summary, indent=2))
+    raise typer.Exit(0 if all(summary[v]["exact"] for v in chosen) else 1)
+
+
 @_pipeline_bench("soak")
 def bench_soak(
     shared: SharedOptions,

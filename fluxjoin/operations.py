@@ -144,29 +144,23 @@ def budget(
     """Set how much window state an instance may hold, while it runs (from its next batch on; it outlives
     the instance's restarts). The controller's memory policies move state away from an instance over its
     budget."""
-    from confluent_kafka import Producer
-
     from pipeline.config import spark_bytes
-    from pipeline.control import publish
-    from pipeline.kafka_client import kafka_config
-    from pipeline.protocol import BudgetMsg
+    from pipeline.control import set_state_budget
 
     cfg = read_config(config, set_, bootstrap)
     try:
-        msg = BudgetMsg(instance=instance, state_budget_bytes=spark_bytes(size))
+        wanted = spark_bytes(size)
     except ValueError:
         fail(f"{size!r} is not a size (256m, 1g, or bytes)")
+    if wanted < 0:
+        fail(f"a budget is at least 0 bytes, got {size!r}")
     address = _reachable(cfg)
-    producer = Producer(kafka_config(address))
-    publish(producer, cfg.control_topic, msg)
-    if producer.flush(30):
-        fail(f"the budget did not reach Kafka at {address} within 30 s", EXIT_UNREACHABLE)
+    try:
+        set_state_budget(cfg, address, instance, wanted)
+    except (KafkaException, RuntimeError) as exc:
+        fail(f"the budget did not reach Kafka at {address}: {_kafka_reason(exc)}", EXIT_UNREACHABLE)
     configured = cfg.instance.state_budget()
-    said = (
-        f"{msg.state_budget_bytes:,} bytes"
-        if msg.state_budget_bytes
-        else f"the configured {configured:,} bytes"
-    )
+    said = f"{wanted:,} bytes" if wanted else f"the configured {configured:,} bytes"
     print(f"{instance}: state budget {said}")
 
 

@@ -26,6 +26,7 @@ from pipeline.instance_files import owned_pids, read_assignment, write_assignmen
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.protocol import (
     AssignmentMsg,
+    BudgetMsg,
     ControlView,
     Fold,
     Message,
@@ -246,6 +247,17 @@ class ControlLog:
 def publish(producer: Any, topic: str, msg: Message) -> None:
     """Produce one control message (the caller flushes or commits its transaction)."""
     producer.produce(topic, value=encode(msg), key=type(msg).__name__)
+
+
+def set_state_budget(cfg: Config, bootstrap: str, instance: str, state_budget_bytes: int) -> None:
+    """Set the bytes of window state `instance` may hold, from its next batch on (`BudgetMsg`; 0: its
+    configured budget again). Raises RuntimeError when Kafka did not take it within 30 s."""
+    from confluent_kafka import Producer
+
+    producer = Producer(kafka_config(bootstrap))
+    publish(producer, cfg.control_topic, BudgetMsg(instance=instance, state_budget_bytes=state_budget_bytes))
+    if producer.flush(30):
+        raise RuntimeError("the budget was not acknowledged by Kafka within 30 s")
 
 
 class InstanceFollower:
