@@ -87,6 +87,24 @@ def test_the_charts_schema_has_every_pipeline_value_and_no_other() -> None:
     assert set(values) == set(chart_pipeline_schema()["properties"])
 
 
+def test_the_charts_pipeline_values_are_the_models_defaults() -> None:
+    """values.yaml spells the example pipeline's settings out for its readers; each must be the model's
+    default (one default, written where it is defined), but for what the chart itself chooses: the pods'
+    resources and an empty StorageClass (the cluster's default)."""
+    values = yaml.safe_load((REPO / "charts/fluxjoin/values.yaml").read_text())["pipeline"]
+    kafka = {"bootstrapServers": "kafka:9092"}
+    chart = {name: values[name] for name in CHART_PIPELINE_FIELDS}
+    from_values = JoinPipelineSpec.model_validate({**chart, "kafka": kafka}).model_dump(by_alias=True)
+    defaults = JoinPipelineSpec.model_validate({"kafka": kafka}).model_dump(by_alias=True)
+    for name in CHART_PIPELINE_FIELDS:
+        if name == "resources":
+            continue
+        if name == "checkpoint":
+            assert from_values[name] == defaults[name] | {"storageClassName": ""}
+            continue
+        assert from_values[name] == defaults[name], name
+
+
 def test_the_crds_columns_and_scale_name_fields_of_the_spec() -> None:
     (version,) = crd()["spec"]["versions"]
     paths = [c["jsonPath"] for c in version["additionalPrinterColumns"]]
