@@ -216,7 +216,7 @@ class LocalPipeline:
 
 def committed_offsets(cfg: Config, bootstrap: str) -> dict[tuple[str, int], int]:
     """(stream, pid) -> next offset that the newest commit marker of its owner says is done."""
-    from pipeline.sink import newest_markers
+    from pipeline.commits import newest_markers
 
     done: dict[tuple[str, int], int] = {}
     for marker in newest_markers(cfg, bootstrap).values():
@@ -250,8 +250,8 @@ def backlog(cfg: Config, bootstrap: str, control: ControlLog | None = None) -> i
 
     A caller that polls passes its `control` log, which reads on from where it stopped; without one,
     a log is opened and closed for this call."""
+    from pipeline.commits import newest_markers
     from pipeline.control import ControlLog
-    from pipeline.sink import newest_markers
 
     if control is None:
         with contextlib.closing(ControlLog(bootstrap, cfg.control_topic)) as log:

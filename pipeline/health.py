@@ -190,7 +190,7 @@ class InstanceMetrics:
     """The instance's Prometheus metrics, one registry per instance (not the library's global one, so
     that several can live in one process, as in the tests).
 
-    `observe_batch` takes each committed batch's metrics record (`pipeline.sink.ExactlyOnceSink._metrics`);
+    `observe_batch` takes each committed batch's metrics record (`pipeline.batch_metrics.batch_record`);
     the rest is read at scrape time: the health, and the pids owned from the assignment file.
     """
 

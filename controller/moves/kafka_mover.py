@@ -274,7 +274,7 @@ class KafkaPidMover:
 
     def _newest_markers(self) -> tuple[Markers, dict[str, str]]:
         """Each instance's newest commit marker, per pid, and the incarnation that wrote it."""
-        from pipeline.sink import newest_markers
+        from pipeline.commits import newest_markers
 
         streams = self.cfg.streams
         markers: dict[str, dict[int, dict[str, int]]] = {}

@@ -23,12 +23,12 @@ from pathlib import Path
 from bench.soak import SoakPlan, Watch, acquired_by, evicted, rejoined, run_soak, soak_config
 from controller.moves.kafka_mover import request_moves
 from local.processes import LocalPipeline, committed_offsets, wait_drained
+from pipeline.commits import read_logged_offsets
 from pipeline.config import Config, load_config
 from pipeline.control import ControlLog
 from pipeline.instance import instance_dir
 from pipeline.oracle import verify_pipeline
 from pipeline.protocol import ControlView, Mode, track_key
-from pipeline.sink import read_logged_offsets
 
 INSTANCES = ["instance-0", "instance-1", "instance-2"]
 

@@ -14,12 +14,13 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
+from pipeline.commits import last_commit, newest_markers
 from pipeline.config import Config, load_config
 from pipeline.control import ControlLog, InstanceFollower
 from pipeline.instance import QueryProgress
 from pipeline.operator import KIND_RELEASED, KIND_STATE
 from pipeline.protocol import AcquiredMsg, AssignmentMsg, encode
-from pipeline.sink import ExactlyOnceSink, Fenced, last_commit, newest_markers
+from pipeline.sink import TRANSACTION_TIMEOUT_S, ExactlyOnceSink, Fenced
 from pipeline.topics import ensure_topics, read_topic
 from tests.conftest import Broker
 
@@ -236,7 +237,7 @@ def test_a_snapshot_the_broker_does_not_take_in_time_fails_the_attempt_for_anoth
     broker.pause()
     try:
         with pytest.raises(KafkaException) as failed:
-            sink._export(2, columns, kind)
+            sink.output.export(2, columns, kind, time.monotonic() + TRANSACTION_TIMEOUT_S)
     finally:
         broker.unpause()
     error = failed.value.args[0]

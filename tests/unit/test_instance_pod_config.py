@@ -25,8 +25,8 @@ from controller.k8s.manifests import (
 )
 from controller.k8s.spec import InstanceSettings, PipelineSpec
 from fluxjoin.cli import app
+from pipeline.commits import transactional_id
 from pipeline.config import Config
-from pipeline.sink import transactional_id
 
 SETTINGS = InstanceSettings(image="fluxjoin:test")
 

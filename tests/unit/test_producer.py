@@ -9,19 +9,15 @@ from collections.abc import Iterable
 import numpy as np
 import pytest
 
-from generator.producer import (
-    LATE_SPAN,
+from generator.messages import (
     MAX_MESSAGE_BYTES,
     HeldBack,
     MessagePlanner,
     Record,
-    StreamSlice,
-    TupleSource,
     encode_slice,
     max_tuples_per_message,
-    payload_salt,
-    payloads,
 )
+from generator.tuples import LATE_SPAN, StreamSlice, TupleSource, payload_salt, payloads
 from pipeline.codec import decode_tuples, progress_of
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.partitioning import pids_of

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.batch_metrics import held_after
 from pipeline.config import Config, spark_bytes
 from pipeline.protocol import BudgetMsg, ControlView, Fold, SnapshotMsg, decode, encode, fold
-from pipeline.sink import held_after
 
 
 def test_an_idle_pid_keeps_its_size_and_a_pid_moved_away_leaves_the_total() -> None:
