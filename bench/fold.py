@@ -11,21 +11,19 @@ import time
 import uuid
 from typing import Any
 
+from pipeline.control_view import Message, fold
 from pipeline.kafka_client import kafka_config
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
     Handoff,
-    Message,
     Mode,
     MoveRequestMsg,
     MoveSpec,
     ReleasedMsg,
     TrackDoneMsg,
-    decode,
-    encode,
-    fold,
 )
+from pipeline.protocol_codec import decode, encode
 
 
 def synthetic_log(

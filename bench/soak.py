@@ -33,9 +33,11 @@ from controller.runner import instance_names
 from local.processes import LocalPipeline, wait_drained
 from pipeline.config import Config
 from pipeline.control import FENCED_EXIT_STATUS, ControlLog
+from pipeline.control_view import ControlView, SnapshotMsg
 from pipeline.kafka_client import kafka_config
 from pipeline.oracle import VerifyReport, verify_pipeline
-from pipeline.protocol import ControlView, Mode, SnapshotMsg, decode
+from pipeline.protocol import Mode
+from pipeline.protocol_codec import decode
 
 
 @dataclass(frozen=True)

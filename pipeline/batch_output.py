@@ -25,7 +25,8 @@ from pipeline.config import Config
 from pipeline.control import publish
 from pipeline.join import Part, WindowState, window_to_bytes
 from pipeline.operator import KIND_RELEASED, KIND_STATE, KIND_TRACK_DONE
-from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, TrackDoneMsg, handoff_from_json
+from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, TrackDoneMsg
+from pipeline.protocol_codec import handoff_from_json
 from pipeline.rows import TRACK_OLD
 
 LATE_REASON = "late: event time below its input partition's newest before it minus the allowed lateness"

@@ -22,8 +22,10 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from pipeline.config import Config
 from pipeline.control import StuckFetch
+from pipeline.control_view import SnapshotMsg
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
-from pipeline.protocol import AssignmentMsg, ProtocolError, SnapshotMsg, decode
+from pipeline.protocol import AssignmentMsg, ProtocolError
+from pipeline.protocol_codec import decode
 from pipeline.topics import BOUNDED_READ, partition_offsets, read_topic
 
 

@@ -1,7 +1,7 @@
 """Kafka side of the control protocol: follow the control log, publish to it, heartbeat.
 
 `ControlLog.catch_up()` reads `<pipeline>.control` up to its current end and folds it into a
-`protocol.ControlView`; instances (their follower thread and their sink's fencing check) and the
+`control_view.ControlView`; instances (their follower thread and their sink's fencing check) and the
 controller use the same reader, so both sides agree on what the log says.
 
 The topic keeps every record (`retention.ms=-1`, `pipeline/topics.py`), and a reader starts at its
@@ -22,19 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config
+from pipeline.control_view import ControlView, Fold, Message, SnapshotMsg
 from pipeline.instance_files import owned_pids, read_assignment, write_assignment
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
-from pipeline.protocol import (
-    AssignmentMsg,
-    BudgetMsg,
-    ControlView,
-    Fold,
-    Message,
-    ProtocolError,
-    SnapshotMsg,
-    decode,
-    encode,
-)
+from pipeline.protocol import AssignmentMsg, BudgetMsg, ProtocolError
+from pipeline.protocol_codec import decode, encode
 from pipeline.topics import broker_away, watermark_offsets
 
 log = logging.getLogger(__name__)

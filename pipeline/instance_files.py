@@ -17,15 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.protocol import (
-    AssignmentMsg,
-    Handoff,
-    MoveSpec,
-    handoff_from_json,
-    handoff_to_json,
-    move_from_json,
-    move_to_json,
-)
+from pipeline.protocol import AssignmentMsg, Handoff, MoveSpec
+from pipeline.protocol_codec import handoff_from_json, handoff_to_json, move_from_json, move_to_json
 
 
 def _replace_json(path: Path, value: Any) -> None:

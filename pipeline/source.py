@@ -48,7 +48,8 @@ from pipeline.kafka_reader import (
     handoff_rows,
     read_ranges,
 )
-from pipeline.protocol import Mode, ReleasedMsg, handoff_from_json, handoff_to_json
+from pipeline.protocol import Mode, ReleasedMsg
+from pipeline.protocol_codec import handoff_from_json, handoff_to_json
 from pipeline.rows import (
     DROP_ROW,
     SOURCE_SCHEMA,

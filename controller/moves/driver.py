@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from controller.observation.liveness import Liveness
+from pipeline.control_view import ControlView
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
-    ControlView,
     Handoff,
     Mode,
     MoveSpec,

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from controller.assignment import FinishedMove, Move
-from pipeline.protocol import ControlView, MoveRequestMsg, MoveSpec
+from pipeline.control_view import ControlView
+from pipeline.protocol import MoveRequestMsg, MoveSpec
 
 
 def requested_moves(view: ControlView, now_ms: float) -> tuple[list[MoveSpec], list[str]]:

@@ -14,18 +14,10 @@ from controller.assignment import initial_assignment
 from controller.moves.kafka_mover import KafkaPidMover, request_moves
 from pipeline.config import Config, load_config
 from pipeline.control import ControlLog, ControlLogTruncated, InstanceFollower, publish, wait_for
+from pipeline.control_view import Message
 from pipeline.instance_files import OwnedPids, read_assignment, write_assignment
-from pipeline.protocol import (
-    AcquiredMsg,
-    AssignmentMsg,
-    Handoff,
-    Message,
-    Mode,
-    MoveSpec,
-    ProtocolError,
-    ReleasedMsg,
-    encode,
-)
+from pipeline.protocol import AcquiredMsg, AssignmentMsg, Handoff, Mode, MoveSpec, ProtocolError, ReleasedMsg
+from pipeline.protocol_codec import encode
 from pipeline.topics import ensure_topics, partition_offsets
 
 

@@ -26,9 +26,10 @@ from local.processes import LocalPipeline, committed_offsets, wait_drained
 from pipeline.commits import read_logged_offsets
 from pipeline.config import Config, load_config
 from pipeline.control import ControlLog
+from pipeline.control_view import ControlView
 from pipeline.instance import instance_dir
 from pipeline.oracle import verify_pipeline
-from pipeline.protocol import ControlView, Mode, track_key
+from pipeline.protocol import Mode, track_key
 
 INSTANCES = ["instance-0", "instance-1", "instance-2"]
 

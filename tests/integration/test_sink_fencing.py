@@ -19,7 +19,8 @@ from pipeline.config import Config, load_config
 from pipeline.control import ControlLog, InstanceFollower
 from pipeline.instance import QueryProgress
 from pipeline.operator import KIND_RELEASED, KIND_STATE
-from pipeline.protocol import AcquiredMsg, AssignmentMsg, encode
+from pipeline.protocol import AcquiredMsg, AssignmentMsg
+from pipeline.protocol_codec import encode
 from pipeline.sink import TRANSACTION_TIMEOUT_S, ExactlyOnceSink, Fenced
 from pipeline.topics import ensure_topics, read_topic
 from tests.conftest import Broker

@@ -10,10 +10,10 @@ from dataclasses import replace
 from controller.moves.driver import plan_step
 from controller.moves.views import finished_moves, moves_in_flight, moves_releasing, requested_moves
 from controller.observation.liveness import Liveness
+from pipeline.control_view import ControlView, fold
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
-    ControlView,
     Handoff,
     Mode,
     MoveRequestMsg,
@@ -21,10 +21,8 @@ from pipeline.protocol import (
     ReleasedMsg,
     Snapshot,
     TrackDoneMsg,
-    decode,
-    encode,
-    fold,
 )
+from pipeline.protocol_codec import decode, encode
 
 LIVE = Liveness(live={"a": "ia", "b": "ib", "c": "ic"}, dead=frozenset())
 START = AssignmentMsg(epoch=0, owners={0: "a", 1: "a", 2: "b", 3: "c"})

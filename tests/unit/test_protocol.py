@@ -7,25 +7,19 @@ from dataclasses import replace
 import pytest
 
 from bench.fold import synthetic_log
+from pipeline.control_view import ControlView, Fold, Message, SnapshotMsg, fold, moves_of
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
-    ControlView,
-    Fold,
     Handoff,
-    Message,
     Mode,
     MoveRequestMsg,
     MoveSpec,
     ProtocolError,
     ReleasedMsg,
     Snapshot,
-    SnapshotMsg,
-    decode,
-    encode,
-    fold,
-    moves_of,
 )
+from pipeline.protocol_codec import decode, encode
 
 SNAP = Snapshot(topic="p.handoff", partition=0, offsets=(4, 5), sha256="ab" * 32)
 MOVE = MoveSpec(move_id="m1", pid=3, source="a", target="b", mode=Mode.TRANSFER)

@@ -15,17 +15,16 @@ import pytest
 
 from controller.moves.driver import plan_step
 from controller.observation.liveness import Liveness
+from pipeline.control_view import Message, fold
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
     Handoff,
-    Message,
     Mode,
     MoveSpec,
     ReleasedMsg,
     Snapshot,
     TrackDoneMsg,
-    fold,
 )
 
 NAMES = ("a", "b", "c")

@@ -1,6 +1,6 @@
 """A model-based test of the move protocol (issue 42, "What to build" item 5): hypothesis drives the real
 controller step (`controller.moves.driver.plan_step`, `to_recover`,
-`controller.moves.views.requested_moves`), the real fold of the control log (`pipeline.protocol.Fold` /
+`controller.moves.views.requested_moves`), the real fold of the control log (`pipeline.control_view.Fold` /
 `fold` / `ControlView`) and the real per-instance view of an assignment (`pipeline.instance_files.owned_pids`)
 through random interleavings of input, batches, move requests, controller
 steps, kills, stalls (SIGSTOP / SIGCONT), restarts and controller restarts, in a small simulated world, and
@@ -84,22 +84,18 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from controller.moves.driver import Markers, plan_step, to_recover
 from controller.moves.views import requested_moves
 from controller.observation.liveness import Liveness
+from pipeline.control_view import Fold, Message, SnapshotMsg, fold
 from pipeline.instance_files import owned_pids
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
-    Fold,
-    Message,
     Mode,
     MoveRequestMsg,
     MoveSpec,
     ReleasedMsg,
     Snapshot,
-    SnapshotMsg,
-    decode,
-    encode,
-    fold,
 )
+from pipeline.protocol_codec import decode, encode
 
 PIDS = range(4)
 NAMES = ("a", "b", "c")

@@ -7,7 +7,9 @@ import pytest
 
 from pipeline.batch_metrics import held_after
 from pipeline.config import Config, spark_bytes
-from pipeline.protocol import BudgetMsg, ControlView, Fold, SnapshotMsg, decode, encode, fold
+from pipeline.control_view import ControlView, Fold, SnapshotMsg, fold
+from pipeline.protocol import BudgetMsg
+from pipeline.protocol_codec import decode, encode
 
 
 def test_an_idle_pid_keeps_its_size_and_a_pid_moved_away_leaves_the_total() -> None:
