@@ -43,7 +43,7 @@ def connector_jars() -> list[Path]:
     """Spark's Kafka connector jars, fetched with Maven into the cache on first use."""
     import hashlib
 
-    from local.kafka_runtime import cache_dir, ensure_maven_jars
+    from local.kafka_dist import cache_dir, ensure_maven_jars
 
     key = hashlib.sha256(SPARK_KAFKA_POM.read_bytes()).hexdigest()[:12]
     libs = ensure_maven_jars(

@@ -39,10 +39,11 @@ def kafka_start(
 ) -> None:
     """Start the embedded broker (fetching Kafka jars into the cache the first time)."""
     from local import kafka_runtime
+    from local.kafka_dist import KafkaRuntimeError
 
     try:
         print(kafka_runtime.start(port=port, fresh=fresh))
-    except kafka_runtime.KafkaRuntimeError as exc:
+    except KafkaRuntimeError as exc:
         fail(str(exc))
 
 

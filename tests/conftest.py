@@ -1,7 +1,7 @@
 """A real Kafka broker for every test that needs one (integration and Kubernetes tests): one container
 per test session, via testcontainers.
 
-The broker image is built locally from the jars `fluxjoin kafka start` runs (local.kafka_runtime),
+The broker image is built locally from the jars `fluxjoin kafka start` runs (local.kafka_dist),
 because the build machines cannot pull images. Without Docker these tests fail rather than skip: a green
 run must mean the pipeline was exercised against a real broker. `scripts/ensure-docker.sh` provides Docker.
 """
@@ -77,7 +77,7 @@ def running_broker() -> Iterator[Broker]:
     from testcontainers.core.config import testcontainers_config
     from testcontainers.core.container import DockerContainer
 
-    from local import kafka_runtime
+    from local import kafka_dist
     from pipeline.source import close_clients
 
     testcontainers_config.ryuk_disabled = True
@@ -88,8 +88,8 @@ def running_broker() -> Iterator[Broker]:
         problem = f"{DOCKER_HINT} ({exc})"
     if problem is None:
         try:
-            image = kafka_runtime.build_broker_image()
-        except kafka_runtime.KafkaRuntimeError as exc:
+            image = kafka_dist.build_broker_image()
+        except kafka_dist.KafkaRuntimeError as exc:
             problem = f"cannot build the Kafka broker image: {exc}"
     if problem is not None:  # outside the except blocks: one clear message, no chained traceback
         pytest.fail(problem, pytrace=False)

@@ -24,7 +24,7 @@ import pytest
 
 from controller.k8s.manifests import PIPELINE_LABEL
 from controller.k8s.status import pod_ready
-from local.kafka_runtime import build_broker_image
+from local.kafka_dist import build_broker_image
 from tests.e2e.kube import (
     REPO,
     E2EError,

@@ -1,6 +1,6 @@
 """The whole pipeline against a broker that asks for TLS and SCRAM and authorizes every request.
 
-The embedded broker (`local.kafka_runtime.SaslSsl`) listens for SASL_SSL only, with a CA made for
+The embedded broker (`local.kafka_config.SaslSsl`) listens for SASL_SSL only, with a CA made for
 the test, SCRAM-SHA-512 users and Kafka's StandardAuthorizer with no access unless an ACL grants it.
 The pipeline's principal gets exactly `fluxjoin acls`'s set; every process (generator, controller,
 two Spark instances with their Python workers, the verifier) reaches the broker through the
@@ -26,6 +26,7 @@ from bench.soak import Watch, acquired_by
 from controller.moves.kafka_mover import request_moves
 from generator.producer import run_generator
 from local import kafka_runtime
+from local.kafka_config import SUPER_USER, SaslSsl
 from local.processes import LocalPipeline, wait_drained
 from pipeline.acls import create_acls, pipeline_acls
 from pipeline.oracle import verify_pipeline
@@ -37,10 +38,10 @@ PIPELINE_USER, STRANGER = "fluxjoin", "stranger"
 
 
 @pytest.fixture(scope="module")
-def secured_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, kafka_runtime.SaslSsl]]:
+def secured_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, SaslSsl]]:
     home = tmp_path_factory.mktemp("secured-broker")
     users = {PIPELINE_USER: secrets.token_urlsafe(16), STRANGER: secrets.token_urlsafe(16)}
-    secured = kafka_runtime.SaslSsl(home / "tls", users)
+    secured = SaslSsl(home / "tls", users)
     port = kafka_runtime._free_port()
     bootstrap = kafka_runtime.start(port, data_dir=home / "state", secured=secured)
     try:
@@ -49,9 +50,7 @@ def secured_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[s
         kafka_runtime.stop(port)
 
 
-def _log_in(
-    monkeypatch: pytest.MonkeyPatch, secured: kafka_runtime.SaslSsl, user: str, tmp_path: Path
-) -> None:
+def _log_in(monkeypatch: pytest.MonkeyPatch, secured: SaslSsl, user: str, tmp_path: Path) -> None:
     """This process and its children connect as `user` (the password in a file, as from a Secret)."""
     password = tmp_path / f"{user}.password"
     password.write_text(secured.users[user] + "\n")
@@ -70,7 +69,7 @@ def _fluxjoin(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
 
 
 def test_a_pipeline_on_a_sasl_ssl_broker_with_acls_is_exact_and_strangers_are_refused(
-    secured_broker: tuple[str, kafka_runtime.SaslSsl],
+    secured_broker: tuple[str, SaslSsl],
     topic_prefix: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -143,7 +142,7 @@ def test_a_pipeline_on_a_sasl_ssl_broker_with_acls_is_exact_and_strangers_are_re
     assert failures and "AUTHORIZATION" in failures[0].upper(), failures
 
     # Creating the ACLs again (as `fluxjoin acls --apply` would, on a second install) is no error.
-    monkeypatch.setenv("FLUXJOIN_KAFKA_SASL_USERNAME", kafka_runtime.SUPER_USER)
+    monkeypatch.setenv("FLUXJOIN_KAFKA_SASL_USERNAME", SUPER_USER)
     (tmp_path / "admin.password").write_text(secured.super_password)
     monkeypatch.setenv("FLUXJOIN_KAFKA_SASL_PASSWORD_FILE", str(tmp_path / "admin.password"))
     create_acls(bootstrap, pipeline_acls(cfg, f"User:{PIPELINE_USER}"))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from local import kafka_config, kafka_dist
 from local import kafka_runtime as kr
 
 
@@ -23,13 +24,13 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_cache_dir_follows_the_environment(private_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert kr.cache_dir() == private_cache
+    assert kafka_dist.cache_dir() == private_cache
     monkeypatch.delenv("FLUXJOIN_CACHE")
-    assert kr.cache_dir() == Path.home() / ".cache" / "fluxjoin"
+    assert kafka_dist.cache_dir() == Path.home() / ".cache" / "fluxjoin"
 
 
 def test_cluster_ids_look_like_kafkas() -> None:
-    ids = {kr.new_cluster_id() for _ in range(500)}
+    ids = {kafka_config.new_cluster_id() for _ in range(500)}
     assert len(ids) == 500
     for cid in ids:
         assert re.fullmatch(r"[A-Za-z0-9_-]{22}", cid) and not cid.startswith("-")
@@ -37,7 +38,7 @@ def test_cluster_ids_look_like_kafkas() -> None:
 
 
 def test_server_properties_make_a_single_node_cluster_usable(tmp_path: Path) -> None:
-    props = kr.read_properties(kr.server_properties(9092, 40001, tmp_path / "data"))
+    props = kafka_config.read_properties(kafka_config.server_properties(9092, 40001, tmp_path / "data"))
     assert props["process.roles"] == "broker,controller"
     assert props["listeners"] == "PLAINTEXT://localhost:9092,CONTROLLER://localhost:40001"
     assert props["controller.quorum.bootstrap.servers"] == "localhost:40001"
@@ -54,16 +55,16 @@ def test_server_properties_make_a_single_node_cluster_usable(tmp_path: Path) -> 
 
 
 def test_read_properties_skips_comments_and_keeps_equals_in_values() -> None:
-    assert kr.read_properties("# c=1\na = b=c\n\nx=\n") == {"a": "b=c", "x": ""}
+    assert kafka_config.read_properties("# c=1\na = b=c\n\nx=\n") == {"a": "b=c", "x": ""}
 
 
 def test_restart_keeps_the_controller_port_recorded_in_the_data(tmp_path: Path) -> None:
     kr._configure(tmp_path, 9092)
-    first = kr.read_properties((tmp_path / "server.properties").read_text())
+    first = kafka_config.read_properties((tmp_path / "server.properties").read_text())
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "meta.properties").write_text("node.id=1\n")
     kr._configure(tmp_path, 9092)
-    again = kr.read_properties((tmp_path / "server.properties").read_text())
+    again = kafka_config.read_properties((tmp_path / "server.properties").read_text())
     assert again["controller.quorum.bootstrap.servers"] == first["controller.quorum.bootstrap.servers"]
     assert (tmp_path / "data" / "meta.properties").exists()
 
@@ -79,20 +80,22 @@ def test_configuration_without_a_recorded_port_starts_from_empty_data(tmp_path: 
 def test_ensure_jars_trusts_only_a_completed_fetch(
     private_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = kr._jars_root()
-    assert root.parent == private_cache / "kafka" and root.name.startswith(kr.KAFKA_VERSION + "-")
+    root = kafka_dist._jars_root()
+    assert root.parent == private_cache / "kafka" and root.name.startswith(kafka_dist.KAFKA_VERSION + "-")
     (root / "libs").mkdir(parents=True)
     fetches: list[Path] = []
-    monkeypatch.setattr(kr, "_fetch_jars", lambda pom, root, label, expect, progress: fetches.append(root))
-    kr.ensure_jars(progress=False)
+    monkeypatch.setattr(
+        kafka_dist, "_fetch_jars", lambda pom, root, label, expect, progress: fetches.append(root)
+    )
+    kafka_dist.ensure_jars(progress=False)
     assert fetches == [root], "libs/ without the completion marker is a broken fetch: fetch again"
     (root / "complete").write_text("kafka_2.13.jar\n")
-    assert kr.ensure_jars(progress=False) == root / "libs"
+    assert kafka_dist.ensure_jars(progress=False) == root / "libs"
     assert fetches == [root]
 
 
 def test_pom_and_runtime_agree_on_the_kafka_version() -> None:
-    assert f"<kafka.version>{kr.KAFKA_VERSION}</kafka.version>" in kr.POM.read_text()
+    assert f"<kafka.version>{kafka_dist.KAFKA_VERSION}</kafka.version>" in kafka_dist.POM.read_text()
 
 
 def test_no_broker_means_not_running_and_stop_is_a_no_op() -> None:
@@ -103,6 +106,6 @@ def test_no_broker_means_not_running_and_stop_is_a_no_op() -> None:
 
 
 def test_broker_image_tag_names_version_and_content() -> None:
-    tag = kr.broker_image_tag()
-    assert tag == kr.broker_image_tag()
-    assert re.fullmatch(rf"fluxjoin-kafka:{re.escape(kr.KAFKA_VERSION)}-[0-9a-f]{{12}}", tag)
+    tag = kafka_dist.broker_image_tag()
+    assert tag == kafka_dist.broker_image_tag()
+    assert re.fullmatch(rf"fluxjoin-kafka:{re.escape(kafka_dist.KAFKA_VERSION)}-[0-9a-f]{{12}}", tag)

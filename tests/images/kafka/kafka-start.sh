@@ -20,7 +20,7 @@ data=/var/lib/kafka/data
 conf_dir="$(mktemp -d)"
 conf="$conf_dir/server.properties"
 
-# Same settings as local/kafka_runtime.py's server_properties(): one node, every internal topic with
+# Same settings as local/kafka_config.py's server_properties(): one node, every internal topic with
 # replication factor 1 (transactions and consumer groups hang otherwise), no auto-created topics.
 cat >"$conf" <<PROPS
 process.roles=broker,controller
