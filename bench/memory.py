@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.run import bench_run, drain, moved_pids, save_report, start_warm
-from local.processes import LocalPipeline, MetricsFollower
+from bench.run import DRAIN_TIMEOUT_S, bench_run, drain, moved_pids, save_report, start_warm
+from local.processes import LocalPipeline, MetricsFollower, wait_drained
 from pipeline.config import Config
 
 VARIANTS = ("static", "memory", "flux-memory", "hybrid")
@@ -118,6 +118,7 @@ def run_variant(
                 say(f"{policy}: {SQUEEZED}'s budget cut to {budget:,} bytes")
             records.extend(follower.poll())
             pipeline.check_alive()
+        wait_drained(pipeline, timeout_s=DRAIN_TIMEOUT_S)  # the oracle judges the whole input
         records.extend(drain(follower))
     finally:
         follower.close()

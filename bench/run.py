@@ -20,6 +20,10 @@ from typing import Any
 from local.processes import LocalPipeline, MetricsFollower
 from pipeline.config import Config
 
+DRAIN_TIMEOUT_S = 600.0
+"""How long a benchmark's instances may take to process what is left of its input once it ends, before
+the oracle judges the output."""
+
 
 def new_run(cfg: Config, kind: str) -> tuple[str, Path]:
     """A fresh run id (also the prefix of the run's pipeline names) and its work directory."""

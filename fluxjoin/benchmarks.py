@@ -188,10 +188,10 @@ def bench_convergence(
 @_pipeline_bench("loaded")
 def bench_loaded(
     shared: SharedOptions,
-    rate: Annotated[float, typer.Option(help="Input tuples/s in total.")] = 2000,
+    rate: Annotated[float, typer.Option(help="Input tuples/s in total.")] = 6000,
     instances: Annotated[int, typer.Option(help="Join instances.")] = 4,
     cpu: Annotated[float, typer.Option(help="CPU cores per instance (cgroup quota).")] = 0.4,
-    slowed_cores: Annotated[float, typer.Option(help="CPU cores a slowed instance keeps.")] = 0.1,
+    slowed_cores: Annotated[float, typer.Option(help="CPU cores a slowed instance keeps.")] = 0.05,
     k: Annotated[int, typer.Option(help="Instances slowed in the second phase.")] = 2,
     calm_s: Annotated[float, typer.Option(help="Seconds before the first slowdown and after the last.")] = 30,
     slow_s: Annotated[float, typer.Option(help="Seconds of each slowed phase.")] = 60,
