@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.run import DRAIN_TIMEOUT_S, bench_run, drain, moved_pids, save_report, start_warm
+from bench.run import DRAIN_TIMEOUT_S, bench_run, drain, follow_input, moved_pids, save_report, start_warm
 from bench.skew import FLUX_SKEW_MODE, flux_skew_params
 from local.processes import LocalPipeline, MetricsFollower, wait_drained
 from pipeline.config import Config
@@ -137,15 +137,16 @@ def run_variant(
         start_warm(pipeline, follower, records, policy, params, FLUX_SKEW_MODE, decisions)
         start = time.time()
         pending = list(phases)
-        while pipeline.procs["generator"].poll() is None:
-            if pending and time.time() - start >= pending[0].at_s:
+
+        def enter_phases(since_s: float) -> None:
+            if pending and since_s >= pending[0].at_s:
                 phase = pending.pop(0)
                 for name in names:
                     pipeline.set_cpu_limit(name, slowed_cores if name in phase.slowed else cpu)
                 slowed = ", ".join(phase.slowed) or "none"
-                say(f"{policy}: {phase.name} at {time.time() - start:.0f} s (slowed: {slowed})")
-            records.extend(follower.poll())
-            pipeline.check_alive()
+                say(f"{policy}: {phase.name} at {since_s:.0f} s (slowed: {slowed})")
+
+        follow_input(pipeline, follower, records, enter_phases)
         wait_drained(pipeline, timeout_s=DRAIN_TIMEOUT_S)  # the oracle judges the whole input
         end_s = time.time() - start
         records.extend(drain(follower))

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.run import DRAIN_TIMEOUT_S, bench_run, drain, moved_pids, save_report, start_warm
+from bench.run import DRAIN_TIMEOUT_S, bench_run, drain, follow_input, moved_pids, save_report, start_warm
 from local.processes import LocalPipeline, MetricsFollower, wait_drained
 from pipeline.config import Config
 
@@ -109,15 +109,16 @@ def run_variant(
     budget = 0
     try:
         start_warm(pipeline, follower, records, policy, decisions=decisions)
-        start = time.time()
-        while pipeline.procs["generator"].poll() is None:
-            if squeezed_ms is None and time.time() - start >= squeeze_at_s:
+
+        def squeeze(since_s: float) -> None:
+            nonlocal squeezed_ms, budget
+            if squeezed_ms is None and since_s >= squeeze_at_s:
                 budget = max(1, int(held_by(records, SQUEEZED) * squeeze_to))
                 set_state_budget(pipeline.cfg, bootstrap, SQUEEZED, budget)
                 squeezed_ms = time.time() * 1000
                 say(f"{policy}: {SQUEEZED}'s budget cut to {budget:,} bytes")
-            records.extend(follower.poll())
-            pipeline.check_alive()
+
+        follow_input(pipeline, follower, records, squeeze)
         wait_drained(pipeline, timeout_s=DRAIN_TIMEOUT_S)  # the oracle judges the whole input
         records.extend(drain(follower))
     finally:

@@ -85,9 +85,19 @@ def drain(follower: MetricsFollower) -> Iterator[dict[str, Any]]:
         yield from got
 
 
-def follow_input(pipeline: LocalPipeline, follower: MetricsFollower, records: list[dict[str, Any]]) -> None:
-    """Keep the metrics records read until the generator exits; raise if a process failed meanwhile."""
+def follow_input(
+    pipeline: LocalPipeline,
+    follower: MetricsFollower,
+    records: list[dict[str, Any]],
+    on_tick: Callable[[float], None] | None = None,
+) -> None:
+    """Keep the metrics records read until the generator exits; raise if a process failed meanwhile.
+    `on_tick`, if given, is called between polls with the seconds since this call: what a benchmark
+    does to the pipeline while the input flows (a squeeze, a slowdown)."""
+    start = time.time()
     while pipeline.procs["generator"].poll() is None:
+        if on_tick is not None:
+            on_tick(time.time() - start)
         records.extend(follower.poll())
         pipeline.check_alive()
 
