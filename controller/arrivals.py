@@ -32,7 +32,8 @@ READ_TIMEOUT_S = 10.0
 MAX_TAIL_MESSAGES = 200_000
 """More messages than this in the span is not real-time input but a log whose event times run ahead of the
 clock (a max-rate producer): not read. A real-time producer writes one message per pid and stream per
-tick (`generator.producer.TICK_S`), 25,600 per 10 s at 64 pids and two streams."""
+tick (`generator.producer.TICK_S`) and its transaction's marker after it: 51,200 offsets per 10 s at 64
+pids and two streams."""
 REREAD_S = 2.0
 """A tail read this recently is reused: a round waiting for an instance to warm up is tried every tick."""
 

@@ -4,8 +4,8 @@ Two halves. The pure half knows nothing of Kafka or clocks: `generator.tuples` (
 configuration into per-stream tuple columns for successive slices of event time, and
 `generator.messages` (`MessagePlanner`, `HeldBack`) turns those into the messages to write, in order.
 `run_generator`, here, owns the clock and the producer: it slices time into real-time ticks or max-rate
-chunks and produces each slice's messages; a broker away is waited out (`PRODUCER_CONFIG`,
-`_Sender.finish`), so the generator falls behind its schedule and catches up.
+chunks and produces each slice's messages in one transaction; a broker away is waited out
+(`_Sender.commit`), so the generator falls behind its schedule and catches up.
 
 Tuple ids are unique per stream across runs on one pipeline: a run numbers its tuples from one past
 the largest id already in the stream's topic (`largest_ids`), its `id_base`.
@@ -17,16 +17,24 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from generator.messages import HeldBack, MessagePlanner, Record
 from generator.tuples import StreamSlice, TupleSource
 from pipeline.codec import MalformedRecord, decode_tuple_columns, progress_of
 from pipeline.config import Config
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
-from pipeline.topics import BOUNDED_READ, KAFKA_LOG, admin_client, ensure_topics, partition_offsets
+from pipeline.topics import (
+    BOUNDED_READ,
+    KAFKA_LOG,
+    admin_client,
+    await_settled,
+    ensure_topics,
+    partition_offsets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +46,17 @@ MAX_CHUNK_S = 0.5
 # ...and by less when rates are high, to bound the memory of one chunk.
 CHUNK_TUPLES = 200_000
 
+# Max-rate mode commits once its open transaction holds this much: a commit waits for every message's
+# acknowledgement, which stalls producing (one per chunk ran at a third of the speed; measured in
+# docs/benchmarks.md), and the open transaction's messages are kept to be written again.
+MAX_RATE_TRANSACTION_BYTES = 32_000_000
+
 # `largest_ids` first reads back this many messages per partition, 8 times more each round in which it
 # found only progress records (or transaction markers).
 ID_SCAN_MESSAGES = 8
 
 PRODUCER_CONFIG: dict[str, Any] = {
     "acks": "all",
-    "enable.idempotence": True,
     # Throughput: let librdkafka fill ~1 MB batches (the broker's default cap on a record batch).
     "linger.ms": 10,
     "batch.size": 1_000_000,
@@ -52,17 +64,26 @@ PRODUCER_CONFIG: dict[str, Any] = {
     "queue.buffering.max.messages": 1_000_000,
     "queue.buffering.max.kbytes": 262_144,
     "compression.type": "none",
-    # A broker outage of any length is weather: messages wait in the queue (idempotence keeps their
-    # order and drops retried duplicates) and a full queue blocks `send`, so the generator falls behind
-    # its schedule and catches up, instead of failing messages after a fixed time (0 = no limit).
-    "delivery.timeout.ms": 0,
-    # Only failures call back into Python: no per-message interpreter work for the common case.
-    "delivery.report.only.error": True,
+    # The broker aborts a transaction open longer; the sender then writes it again in a new one.
+    "transaction.timeout.ms": 60_000,
 }
+"""Transactional, not merely idempotent: an idempotent producer that loses a request to a silent broker
+bumps its epoch and sends again what the broker may already hold, a duplicate input tuple (seen: 1,340 of
+them after a 20 s pause of the broker). A transaction that meets an error is aborted and written again,
+and every reader of the inputs reads committed (decision 0061)."""
+
+TRANSACTION_ATTEMPTS = 8
+"""A transaction the broker aborts for a reason other than an outage is written again up to this many
+times; an outage is waited out however long it lasts."""
 
 
 class DeliveryError(RuntimeError):
-    """Some messages were not acknowledged by the broker."""
+    """Messages could not be written: the run was stopped, or the producer was fenced."""
+
+
+def generator_transactional_id(cfg: Config) -> str:
+    """One per pipeline: a second generator fences the first (two at once would repeat ids)."""
+    return f"{cfg.pipeline}/generator"
 
 
 def largest_ids(cfg: Config, bootstrap: str, timeout_s: float = 60.0) -> list[int]:
@@ -155,54 +176,111 @@ def _largest_in(
 
 
 class _Sender:
-    """A confluent-kafka producer plus delivery accounting (errors are counted, raised at the end)."""
+    """A transactional confluent-kafka producer: `send` adds messages to the open transaction, `commit`
+    ends it, writing it again in a new transaction while the broker aborts it or is away."""
 
-    def __init__(self, bootstrap: str, overrides: dict[str, Any] | None = None) -> None:
-        conf = {**PRODUCER_CONFIG, **(overrides or {}), **kafka_config(bootstrap)}
-        conf["on_delivery"] = self._on_delivery
-        conf["logger"] = KAFKA_LOG
-        self.producer = Producer(conf)
+    def __init__(
+        self, bootstrap: str, transactional_id: str, stop: threading.Event, overrides: dict[str, Any]
+    ) -> None:
+        self._conf = {
+            **PRODUCER_CONFIG,
+            **overrides,
+            **kafka_config(bootstrap),
+            "transactional.id": transactional_id,
+            "logger": KAFKA_LOG,
+        }
+        self._stop = stop
+        self._open: list[tuple[str, int, bytes, bytes, int]] = []
+        """The open transaction's messages, to write again if it is aborted."""
+        self._begun = time.monotonic()
+        self.open_bytes = 0
         self.messages = 0
         self.bytes = 0
-        self.failed = 0
-        self.first_error: KafkaError | None = None
+        self.transactions = 0
         self._keys: dict[int, bytes] = {}
+        self.producer = self._new_producer()
 
-    def _on_delivery(self, err: KafkaError | None, _msg: Message) -> None:
-        if err is not None:
-            self.failed += 1
-            if self.first_error is None:
-                self.first_error = err
+    def _new_producer(self) -> Producer:
+        producer = Producer(self._conf)
+        self._waiting(producer.init_transactions, "start the generator's transactions")
+        producer.begin_transaction()
+        return producer
 
     def send(self, topic: str, pid: int, value: bytes, timestamp_ms: int) -> None:
         key = self._keys.get(pid)
         if key is None:
             key = self._keys[pid] = str(pid).encode()
-        while True:
-            try:
-                self.producer.produce(topic, value, key, partition=pid, timestamp=timestamp_ms)
-                break
-            except BufferError:
-                # librdkafka's queue is full: serve delivery reports to make room, then retry.
-                self.producer.poll(0.05)
+        if not self._open:
+            self._begun = time.monotonic()
+        self._open.append((topic, pid, value, key, timestamp_ms))
+        self.open_bytes += len(value)
+        self._produce(topic, pid, value, key, timestamp_ms)
         self.messages += 1
         self.bytes += len(value)
 
-    def finish(self, stop: threading.Event) -> None:
-        """Wait until the broker has acknowledged every message. A broker away is waited out however
-        long it is away, as `delivery.timeout.ms` 0 says (a fixed limit of 120 s here ended the
-        generator during a longer outage), saying in the log every `LOG_EVERY_S` how many still wait;
-        `stop` ends the wait."""
-        waited_s = 0.0
-        while remaining := self.producer.flush(LOG_EVERY_S):
-            waited_s += LOG_EVERY_S
-            if stop.is_set():
-                raise DeliveryError(f"stopped with {remaining} messages unacknowledged by the broker")
-            log.warning("generator: %s messages wait for the broker (%.0f s)", f"{remaining:,}", waited_s)
-        if self.failed:
-            raise DeliveryError(
-                f"{self.failed} of {self.messages} messages failed delivery; first error: {self.first_error}"
-            )
+    def _produce(self, topic: str, pid: int, value: bytes, key: bytes, timestamp_ms: int) -> None:
+        while True:
+            try:
+                self.producer.produce(topic, value, key, partition=pid, timestamp=timestamp_ms)
+                return
+            except BufferError:
+                # librdkafka's queue is full: serve delivery reports to make room, then retry.
+                self.producer.poll(0.05)
+
+    def commit(self) -> None:
+        """Commit the open transaction (if it holds anything) and begin the next. Aborted by the broker,
+        it is written again, up to TRANSACTION_ATTEMPTS times; a broker away is waited out however long
+        it is away, saying so in the log every `LOG_EVERY_S`; fenced after the transaction timeout (the
+        broker aborted it while away), a new producer writes it again; fenced sooner, another generator
+        took over, and this one stops."""
+        if not self._open:
+            return
+        aborted = 0
+        while True:
+            try:
+                self._waiting(self.producer.commit_transaction, f"commit {len(self._open):,} messages")
+                break
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                timeout_s = PRODUCER_CONFIG["transaction.timeout.ms"] / 1000
+                if error.txn_requires_abort() and aborted < TRANSACTION_ATTEMPTS:
+                    aborted += 1
+                    self._waiting(self.producer.abort_transaction, "abort a transaction")
+                    self.producer.begin_transaction()
+                elif error.fatal() and time.monotonic() - self._begun > timeout_s:
+                    self.producer = self._new_producer()
+                else:
+                    raise DeliveryError(f"the generator cannot write its input: {error.str()}") from exc
+                log.warning("generator: a transaction was not committed (%s); writing it again", error.str())
+                self._begun = time.monotonic()
+                for message in self._open:
+                    self._produce(*message)
+        self.transactions += 1
+        self._open.clear()
+        self.open_bytes = 0
+        self.producer.begin_transaction()
+
+    def _waiting(self, call: Callable[[float], None], what: str) -> None:
+        """`call(timeout)` again while the broker answers that it may yet succeed (it is away), however
+        long that takes, until `stop`."""
+        started = time.monotonic()
+        while True:
+            tried = time.monotonic()
+            try:
+                call(LOG_EVERY_S)
+                return
+            except KafkaException as exc:
+                if not exc.args[0].retriable():
+                    raise
+                if self._stop.is_set():
+                    raise DeliveryError(f"stopped before the broker let the generator {what}") from exc
+                log.warning(
+                    "generator: waiting for the broker to %s (%.0f s; %s)",
+                    what,
+                    time.monotonic() - started,
+                    exc.args[0].str(),
+                )
+                time.sleep(max(0.0, 1.0 - (time.monotonic() - tried)))  # an answer at once: not a busy loop
 
 
 LOG_EVERY_S = 30.0
@@ -262,8 +340,12 @@ def run_generator(
     Returns {"tuples", "per_stream", "messages", "bytes", "seconds", "tuples_per_s", "start_ms",
     "progress_records", "late_injected", "id_base"}: `tuples` and `per_stream` count every tuple
     written (injected late ones included), `messages` progress records too, `id_base` is the first id
-    of each stream's run. Raises DeliveryError if any message was not acknowledged, BrokerUnreachable /
-    TopicError from topic creation.
+    of each stream's run. Raises DeliveryError when `stop` ends a wait for the broker or another
+    generator took over, BrokerUnreachable / TopicError from topic creation.
+
+    The messages of each real-time tick, or max-rate chunk, are written in one transaction: readers of
+    the inputs read committed, so a tuple is read once however often the broker made the generator
+    write it (`_Sender.commit`).
 
     Held-back messages of lagged streams are produced when due; when `stop` ends the run, at once (no
     message is lost).
@@ -277,7 +359,8 @@ def run_generator(
     topics = cfg.input_topics
     # Real time: a tick's messages are all produced at its end, so lingering only adds latency.
     linger = {"linger.ms": 5} if g.mode == "real_time" else {}
-    sender = _Sender(bootstrap, {**linger, **(producer_overrides or {})})
+    overrides = {**linger, **(producer_overrides or {})}
+    sender = _Sender(bootstrap, generator_transactional_id(cfg), stop, overrides)
     display = _Progress(progress, g.max_tuples)
     started = time.monotonic()
     start_ms = time.time_ns() // 1_000_000
@@ -290,7 +373,6 @@ def run_generator(
         for r in records:
             sender.send(topics[r.stream], r.pid, r.value, r.timestamp_ms)
             tuples += r.tuples
-        sender.producer.poll(0)
         display.update(tuples, time.monotonic() - started)
 
     def emit(slices: list[StreamSlice]) -> None:
@@ -309,6 +391,7 @@ def run_generator(
                 if not source.done:
                     emit(source.take(now_s))
                 send(held.release(now_s))
+                sender.commit()  # what arrived in the tick becomes readable at its end
         else:
             # Virtual clock: all streams advance together chunk by chunk, as fast as the producer goes.
             while not source.done and not stop.is_set():
@@ -318,8 +401,13 @@ def run_generator(
                 rate = source.total_rate_at(t0)
                 chunk = min(MAX_CHUNK_S, CHUNK_TUPLES / rate) if rate > 0 else MAX_CHUNK_S
                 emit(source.take(t0 + chunk))
+                if sender.open_bytes >= MAX_RATE_TRANSACTION_BYTES:
+                    sender.commit()
         send(held.release(math.inf))
-        sender.finish(stop)
+        sender.commit()
+        # The commit returns before the broker has written its markers: until then a reader finds the
+        # partitions' ends short of the last transaction. Returning after them, what was written is read.
+        await_settled(admin_client(bootstrap), [(t, p) for t in topics for p in range(cfg.partitions)])
     finally:
         display.close()
     seconds = time.monotonic() - started

@@ -5,7 +5,7 @@ logs in as one principal; it needs, and is given, nothing beyond the pipeline's 
 - every operation on the topics named `<pipeline>.` and on (created by the first process that
   needs them, `pipeline.topics.ensure_topics`);
 - every operation on the transactional ids `<pipeline>.` (the instances' sinks, and the controller
-  fencing a dead instance) and `<pipeline>/` (the controller's own);
+  fencing a dead instance) and `<pipeline>/` (the controller's own, the generator's);
 - reading as the consumer group `fluxjoin-unused`, which every reader names and none joins (offsets
   are never committed to Kafka; Spark's checkpoints own them).
 

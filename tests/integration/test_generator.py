@@ -6,10 +6,11 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import ConfigResource, NewTopic
 
 from generator.producer import ID_SCAN_MESSAGES, run_generator
@@ -28,6 +29,7 @@ from pipeline.topics import (
     topic_specs,
     topics_named_after,
 )
+from tests.conftest import Broker
 
 pytestmark = pytest.mark.integration
 
@@ -67,40 +69,47 @@ class Message:
 
 
 def read_all(bootstrap: str, topic: str, partitions: int) -> list[Message]:
-    """Every message of `topic`: read up to the high watermarks, then again while they still move.
-
-    A fresh look at the watermarks after reaching them makes the read complete even if the first
-    look raced the broker's last acknowledged append.
-    """
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "unused", "enable.auto.commit": False})
+    """Every committed message of `topic`, as the instances read it (read_committed): each partition up
+    to its end (end-of-partition, which lies past the last transaction's marker), then again while the
+    ends still move. A fresh look at the ends after reaching them makes the read complete even if the
+    first look raced the broker's last acknowledged append."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "unused",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed",
+        }
+    )
     admin = admin_client(bootstrap)
 
-    def high_watermarks() -> dict[int, int]:
-        # One ListOffsets request for all partitions (a watermark query per partition took ~0.4 s each).
-        ends = partition_offsets(admin, [(topic, p) for p in range(partitions)])
-        return {p: ends[(topic, p)] for p in range(partitions)}
+    def ends() -> dict[int, int]:
+        found = partition_offsets(admin, [(topic, p) for p in range(partitions)], committed=True)
+        return {p: found[(topic, p)] for p in range(partitions)}
 
     try:
         consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
         out: list[Message] = []
-        positions = dict.fromkeys(range(partitions), 0)
         deadline = time.monotonic() + 60
-        ends = high_watermarks()
+        seen = ends()
         while True:
-            while any(positions[p] < ends[p] for p in ends):
+            pending = set(range(partitions))
+            while pending:
                 assert time.monotonic() < deadline, f"timed out reading {topic}"
-                # consume() waits out its timeout unless it gets all 1000: keep the wait short.
                 for msg in consumer.consume(1000, timeout=0.1):
-                    assert msg.error() is None, msg.error()
-                    partition, offset, value = msg.partition(), msg.offset(), msg.value()
-                    assert partition is not None and offset is not None
+                    partition, value, err = msg.partition(), msg.value(), msg.error()
+                    assert partition is not None
+                    if err is not None:
+                        assert err.code() == KafkaError._PARTITION_EOF, err
+                        pending.discard(partition)
+                        continue
                     assert value is not None
-                    positions[partition] = offset + 1
                     out.append(Message(partition, msg.key(), msg.timestamp()[1], value))
-            latest = high_watermarks()
-            if latest == ends:
+            latest = ends()
+            if latest == seen:
                 return out
-            ends = latest
+            seen = latest
     finally:
         consumer.close()
 
@@ -335,6 +344,46 @@ def test_stop_event_ends_a_run_early(kafka_bootstrap: str, topic_prefix: str) ->
     timer.cancel()
     assert time.monotonic() - started < 10
     assert stats["tuples"] > 0
+
+
+def test_a_broker_silent_again_and_again_leaves_each_tuple_in_the_input_once(
+    own_broker: Broker, topic_prefix: str
+) -> None:
+    """The broker's container is paused for 12 s three times while the generator writes in real time.
+    Requests the broker took but never answered are sent again; an idempotent producer did so under a
+    new epoch and left duplicate tuples (1,340 after one 20 s pause). Written in transactions, the
+    committed input holds each tuple the generator counted exactly once."""
+    cfg = gen_config(
+        topic_prefix,
+        "generator.mode=real_time",
+        "generator.duration_s=50",
+        "generator.max_tuples=null",
+        "generator.rate={kind: constant, rate: 3000}",
+    )
+    result: dict[str, Any] = {}
+    # Requests time out after 5 s (not 60): the client gives up on a request the broker may yet write.
+    quick = {"socket.timeout.ms": 5000}
+
+    def write() -> None:
+        result.update(run_generator(cfg, own_broker.bootstrap, producer_overrides=quick))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    for _ in range(3):
+        time.sleep(3)
+        own_broker.container.pause()
+        try:
+            time.sleep(12)
+        finally:
+            own_broker.container.unpause()
+    writer.join(timeout=300)
+    assert not writer.is_alive(), "the generator did not finish after the pauses"
+    for stream in cfg.streams:
+        ids = tuple_ids(read_all(own_broker.bootstrap, cfg.input_topic(stream), PARTITIONS))
+        assert len(ids) == result["per_stream"][stream], stream
+        assert len(np.unique(ids)) == len(ids), (
+            f"stream {stream}: {len(ids) - len(np.unique(ids))} repeated ids"
+        )
 
 
 def test_topics_are_created_once_with_the_right_shape(kafka_bootstrap: str, topic_prefix: str) -> None:
