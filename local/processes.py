@@ -220,10 +220,9 @@ def committed_offsets(cfg: Config, bootstrap: str) -> dict[tuple[str, int], int]
 
     done: dict[tuple[str, int], int] = {}
     for marker in newest_markers(cfg, bootstrap).values():
-        for stream, by_pid in marker["offsets"].items():
+        for stream, by_pid in marker.offsets.items():
             for pid, offset in by_pid.items():
-                key = (stream, int(pid))
-                done[key] = max(done.get(key, 0), int(offset))
+                done[(stream, pid)] = max(done.get((stream, pid), 0), offset)
     return done
 
 
@@ -267,7 +266,7 @@ def backlog(cfg: Config, bootstrap: str, control: ControlLog | None = None) -> i
     for (stream, pid), end in ends.items():
         track = a.tracks.get(pid)
         readers = [a.owners.get(pid, ""), *([track.source] if track is not None and track.source else [])]
-        read = [int(markers.get(r, {}).get("offsets", {}).get(stream, {}).get(str(pid), 0)) for r in readers]
+        read = [markers[r].offsets.get(stream, {}).get(pid, 0) if r in markers else 0 for r in readers]
         left += max(0, end - min(read))
     return left
 

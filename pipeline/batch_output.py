@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from pipeline.batch_plan import acquired_of, released_of, tracking_of
 from pipeline.codec import Malformation
 from pipeline.config import Config
 from pipeline.control import publish
 from pipeline.join import Part, WindowState, window_to_bytes
 from pipeline.operator import KIND_RELEASED, KIND_STATE, KIND_TRACK_DONE
 from pipeline.protocol import AcquiredMsg, ReleasedMsg, Snapshot, TrackDoneMsg
-from pipeline.protocol_codec import handoff_from_json
 from pipeline.rows import TRACK_OLD
 
 LATE_REASON = "late: event time below its input partition's newest before it minus the allowed lateness"
@@ -110,13 +110,12 @@ class BatchOutput:
         """Released (with the exported window) and Acquired messages for this batch's epoch change;
         `deadline` (monotonic s) is when the transaction's time runs out."""
         epoch = int(offsets["epoch"])
-        for p, released in offsets.get("released", {}).items():
-            if released["move_id"] is None:
+        for p, released in released_of(offsets).items():
+            if released.move_id is None:
                 continue
-            snapshot = self.export(int(p), columns, kind, deadline) if released["export"] else None
-            track = bool(released.get("track"))
-            stream_max = _released_stream_max(columns, kind, int(p), len(self.streams)) if track else None
-            announced = released.get("stream_max")
+            snapshot = self.export(p, columns, kind, deadline) if released.export else None
+            stream_max = _released_stream_max(columns, kind, p, len(self.streams)) if released.track else None
+            announced = released.stream_max
             if announced is not None and tuple(announced) != stream_max:
                 raise RuntimeError(
                     f"pid {p}'s parallel track began at stream_max {stream_max}, not at the {announced} "
@@ -125,27 +124,26 @@ class BatchOutput:
             msg = ReleasedMsg(
                 instance=self.instance,
                 epoch=epoch,
-                pid=int(p),
-                move_id=released["move_id"],
-                cutoff=released["cutoff"],
+                pid=p,
+                move_id=released.move_id,
+                cutoff=released.cutoff,
                 snapshot=snapshot,
                 stream_max=stream_max,
             )
             publish(self.producer, self.cfg.control_topic, msg)
         ended = kind == KIND_TRACK_DONE
+        tracking = tracking_of(offsets)
         for p, side in zip(columns["pid"][ended].tolist(), columns["aux"][ended].tolist(), strict=True):
-            track = offsets["tracking"][str(p)]
             done = TrackDoneMsg(
                 instance=self.instance,
                 epoch=epoch,
                 pid=int(p),
-                move_id=track["move_id"],
+                move_id=tracking[int(p)].move_id,
                 side="old" if side == TRACK_OLD else "new",
             )
             publish(self.producer, self.cfg.control_topic, done)
-        for p, acquired in offsets.get("acquired", {}).items():
-            handoff = handoff_from_json(acquired["handoff"])
-            msg2 = AcquiredMsg(instance=self.instance, epoch=epoch, pid=int(p), move_id=handoff.move_id)
+        for p, acquired in acquired_of(offsets).items():
+            msg2 = AcquiredMsg(instance=self.instance, epoch=epoch, pid=p, move_id=acquired.handoff.move_id)
             publish(self.producer, self.cfg.control_topic, msg2)
 
     def export(self, pid: int, columns: dict[str, np.ndarray], kind: np.ndarray, deadline: float) -> Snapshot:

@@ -24,8 +24,8 @@ from pipeline.config import Config
 from pipeline.control import StuckFetch
 from pipeline.control_view import SnapshotMsg
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
-from pipeline.protocol import AssignmentMsg, ProtocolError
-from pipeline.protocol_codec import decode
+from pipeline.protocol import AssignmentMsg, CommitMarker, ProtocolError
+from pipeline.protocol_codec import decode, marker_from_json
 from pipeline.topics import BOUNDED_READ, partition_offsets, read_topic
 
 
@@ -35,14 +35,14 @@ def read_logged_offsets(checkpoint: Path, batch_id: int) -> dict[str, Any]:
     return dict(json.loads(lines[-1]))
 
 
-def newest_markers(cfg: Config, bootstrap: str) -> dict[str, dict[str, Any]]:
+def newest_markers(cfg: Config, bootstrap: str) -> dict[str, CommitMarker]:
     """Each instance's newest marker committed before the call, by instance name. Read to the high
     watermark once the transactions below it have ended: read only to the last stable offset, another
     instance's open transaction hides every marker committed after its first message."""
-    newest: dict[str, dict[str, Any]] = {}
+    newest: dict[str, CommitMarker] = {}
     for _, _, value in read_topic(bootstrap, cfg.sink_commits_topic, settled=True):
-        marker = json.loads(value)
-        newest[marker["instance"]] = marker
+        marker = marker_from_json(json.loads(value))
+        newest[marker.instance] = marker
     return newest
 
 
@@ -51,11 +51,11 @@ def transactional_id(cfg: Config, instance: str) -> str:
     return f"{cfg.pipeline}.{instance}"
 
 
-def last_commit(cfg: Config, bootstrap: str, instance: str, incarnation: str) -> dict[str, Any] | None:
+def last_commit(cfg: Config, bootstrap: str, instance: str, incarnation: str) -> CommitMarker | None:
     """The newest committed marker of this incarnation of `instance` (a checkpoint's life); an older
     incarnation's markers all precede the first of a newer one, so the instance's newest marker decides."""
     marker = newest_markers(cfg, bootstrap).get(instance)
-    return marker if marker is not None and marker.get("incarnation") == incarnation else None
+    return marker if marker is not None and marker.incarnation == incarnation else None
 
 
 class Evictions:

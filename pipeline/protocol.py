@@ -62,6 +62,46 @@ class Snapshot:
     sha256: str
 
 
+@dataclass(frozen=True, slots=True)
+class ModeRules:
+    """What a handoff mode does with a moved pid's window: the one place where the modes differ. The
+    protocol's steps (in transit, handed off, acquired; an overlap in between for a kept window) are
+    the same for every mode; the sender's batch plan (`pipeline.epoch_change`), its sink
+    (`pipeline.batch_output`) and the controller (`controller.moves.driver`) read these rules."""
+
+    sender_exports_window: bool
+    """The sender's batch reads up to the cutoff and writes the window to the handoff topic."""
+    released_at_plan: bool
+    """The cutoff is where the sender's batch begins, so `Released` goes out as soon as it is planned."""
+    receiver_rebuilds_from_log: bool
+    """The receiver re-reads the input before the cutoff to rebuild the window."""
+    sender_keeps_window: bool
+    """The sender keeps the pid's old tuples and emits their results until they expire (an overlap);
+    the receiver starts empty at the cutoff and emits only results of new tuples."""
+
+
+MODE_RULES: Mapping[Mode, ModeRules] = {
+    Mode.TRANSFER: ModeRules(
+        sender_exports_window=True,
+        released_at_plan=False,
+        receiver_rebuilds_from_log=False,
+        sender_keeps_window=False,
+    ),
+    Mode.REPLAY: ModeRules(
+        sender_exports_window=False,
+        released_at_plan=True,
+        receiver_rebuilds_from_log=True,
+        sender_keeps_window=False,
+    ),
+    Mode.PARALLEL_TRACK: ModeRules(
+        sender_exports_window=False,
+        released_at_plan=False,
+        receiver_rebuilds_from_log=False,
+        sender_keeps_window=True,
+    ),
+}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Handoff:
     """What a receiver needs to take a pid over: where to continue, and how to get the window."""
@@ -203,3 +243,26 @@ class ProtocolError(ValueError):
 class ConflictingAssignments(ProtocolError):
     """Two different assignments with one epoch: two controllers published, or one published a second
     time from a view without its first. Readers would split over which to follow, so none follows either."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommitMarker:
+    """The record every batch's transaction ends with on `<pipeline>.sink-commits`: which batch of which
+    incarnation committed, under which epoch, and where its input reached. An instance's newest marker
+    is where a restart skips already committed output and where the controller recovers a dead
+    instance's pids from (their replay cutoffs)."""
+
+    instance: str
+    incarnation: str
+    batch: int
+    epoch: int
+    offsets: Mapping[str, Mapping[int, int]]  # stream -> pid -> next offset to read
+    time_ms: int
+
+    def pids(self) -> frozenset[int]:
+        """The pids the batch held (every stream lists the same)."""
+        return frozenset(next(iter(self.offsets.values()), {}))
+
+    def cutoffs(self) -> dict[int, dict[str, int]]:
+        """Per pid, where each stream's input reached: a recovery's replay cutoff."""
+        return {p: {s: by_pid[p] for s, by_pid in self.offsets.items()} for p in self.pids()}

@@ -15,6 +15,7 @@ from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
     BudgetMsg,
+    CommitMarker,
     Handoff,
     Mode,
     MoveRequestMsg,
@@ -238,3 +239,25 @@ def _decoded(kind: type[M], d: Any) -> M:
     if not isinstance(msg, kind):
         raise ProtocolError(f"a snapshot holds a {type(msg).__name__} where a {kind.__name__} belongs")
     return msg
+
+
+def marker_to_json(m: CommitMarker) -> dict[str, Any]:
+    return {
+        "instance": m.instance,
+        "incarnation": m.incarnation,
+        "batch": m.batch,
+        "epoch": m.epoch,
+        "offsets": {s: {str(p): o for p, o in by_pid.items()} for s, by_pid in m.offsets.items()},
+        "time_ms": m.time_ms,
+    }
+
+
+def marker_from_json(d: dict[str, Any]) -> CommitMarker:
+    return CommitMarker(
+        instance=d["instance"],
+        incarnation=d["incarnation"],
+        batch=int(d["batch"]),
+        epoch=int(d["epoch"]),
+        offsets={s: {int(p): int(o) for p, o in by_pid.items()} for s, by_pid in d["offsets"].items()},
+        time_ms=int(d["time_ms"]),
+    )

@@ -53,7 +53,8 @@ from pipeline.config import Config
 from pipeline.instance_files import write_recent_yields, write_watermarks
 from pipeline.kafka_client import kafka_config
 from pipeline.operator import KIND_LATE, KIND_MALFORMED, KIND_RESULT, KIND_WATERMARK
-from pipeline.protocol import eviction_entries
+from pipeline.protocol import CommitMarker, eviction_entries
+from pipeline.protocol_codec import marker_to_json
 from pipeline.topics import broker_away, partition_offsets
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class ExactlyOnceSink:
         self.admin = AdminClient(kafka_config(bootstrap))
         # After init_transactions: the previous incarnation's open transaction is aborted by now.
         marker = last_commit(cfg, bootstrap, instance, incarnation)
-        self.last_batch = int(marker["batch"]) if marker else -1
+        self.last_batch = marker.batch if marker else -1
         self.completed = -1
         """The newest batch this process completed (committed, or already committed and run again)."""
         names = eviction_entries(instance, incarnation)
@@ -329,15 +330,16 @@ class ExactlyOnceSink:
         late = self.output.produce_dead_letters(columns, kind == KIND_LATE, "late")
         malformed = self.output.produce_dead_letters(columns, kind == KIND_MALFORMED, "malformed")
         self.output.acknowledge_handoffs(offsets, columns, kind, self._begun + TRANSACTION_TIMEOUT_S)
-        marker = {
-            "instance": self.instance,
-            "incarnation": self.incarnation,
-            "batch": batch_id,
-            "epoch": offsets["epoch"],
-            "offsets": offsets["offsets"],
-            "time_ms": int(time.time() * 1000),
-        }
-        self.producer.produce(self.cfg.sink_commits_topic, key=self.instance, value=json.dumps(marker))
+        marker = CommitMarker(
+            instance=self.instance,
+            incarnation=self.incarnation,
+            batch=batch_id,
+            epoch=int(offsets["epoch"]),
+            offsets={s: {int(p): o for p, o in by_pid.items()} for s, by_pid in offsets["offsets"].items()},
+            time_ms=int(time.time() * 1000),
+        )
+        value = json.dumps(marker_to_json(marker))
+        self.producer.produce(self.cfg.sink_commits_topic, key=self.instance, value=value)
         metrics = self._metrics(batch_id, offsets, columns, kind, started, results, late, malformed, ready)
         self.producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(metrics))
         evicted_in = self._evicted_in(offsets)

@@ -29,9 +29,10 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
+from pipeline.batch_plan import Release, acquired_of, markers_of, released_of
 from pipeline.batch_sizing import RESULTS_HEADROOM, ArrivalMeter, BatchBound, Offsets, pids_within
+from pipeline.epoch_change import change_epoch
 from pipeline.instance_files import (
-    OwnedPids,
     move_steps,
     read_assignment,
     read_recent_yields,
@@ -48,15 +49,10 @@ from pipeline.kafka_reader import (
     handoff_rows,
     read_ranges,
 )
-from pipeline.protocol import Mode, ReleasedMsg
-from pipeline.protocol_codec import handoff_from_json, handoff_to_json
+from pipeline.protocol import ReleasedMsg
+from pipeline.protocol_codec import marker_from_json
 from pipeline.rows import (
-    DROP_ROW,
     SOURCE_SCHEMA,
-    TRACK_NEW,
-    TRACK_OLD,
-    TRACK_ROW,
-    WATERMARK_ROW,
     WINDOW_ROW,
 )
 
@@ -118,7 +114,7 @@ class FluxjoinSource(DataSource):
     soon a move step gets its batch), `watermarks` (path of the file the sink notes
     windows' `stream_max` in), `control_topic` (where a replay's or a parallel track's `Released`
     goes at the plan) and `commits_topic` (the sink's commit markers: which pids this instance committed
-    before, `FluxjoinStreamReader._check_unprocessed`)."""
+    before, `FluxjoinStreamReader.refuse_unprocessed`)."""
 
     @classmethod
     def name(cls) -> str:
@@ -227,139 +223,26 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         """Epoch -1 and no pids: the first batch enters the assignment like any later epoch change."""
         return {"epoch": -1, "offsets": {s: {} for s in self.streams}}
 
-    def _change_epoch(self, offset: dict, owned: OwnedPids) -> dict:
-        """Release pids no longer owned (at their current offsets, the cutoff); enter acquired ones at
-        their handoff's cutoff (or the earliest offsets when there is none).
+    # --- what `pipeline.epoch_change.change_epoch` asks of the input (`InputFacts`) ---
 
-        Parallel track: a pid in transit in that mode is not released but kept, its overlap beginning
-        here (`tracking` role "old", carried in every later offset until the track ends); a pid taken
-        over in that mode is tracked "new" until the assignment drops its track.
+    def earliest(self, pids: Sequence[int]) -> Offsets:
+        return self._watermarks(pids, "earliest")
 
-        A pid this query still holds can come back to it with a handoff it has not taken (`taken`: the
-        handoffs each offset since the taking carries, until the assignment drops them). It returns: its
-        stale window is dropped (a `DROP_ROW` marker, first in the batch) and it enters at its handoff's
-        cutoff like any pid taken over. That happens to an old side that learns its track ended only
-        together with the pid's move back to it (the epochs between were published during one long
-        batch), and to a query that announced a replay's release and stopped before Spark logged it
-        (decision 0040), when the pid is handed back to it before it plans again.
+    def stream_max(self, pid: int, cutoff: Mapping[str, int]) -> tuple[int, ...] | None:
+        if self.watermarks_path is None or self.control_topic is None:
+            return None
+        return stream_max_at(read_watermarks(self.watermarks_path), pid, cutoff)
 
-        A pid new to the query with no handoff starts at the earliest offsets with an empty window:
-        right where nobody processed it (`_check_unprocessed`).
-        """
-        current: Offsets = offset["offsets"]
-        first = self.streams[0]
-        before: dict[str, dict[str, Any]] = offset.get("tracking", {})
-        taken: dict[str, str] = offset.get("taken", {})
-        tracking: dict[str, dict[str, Any]] = {}
-        markers: list[tuple[int, int, int, int, int]] = []
-        tracked_moves = {p: m for p, m in owned.releasing.items() if m.mode is Mode.PARALLEL_TRACK}
-        starting = {p: m for p, m in tracked_moves.items() if before.get(str(p), {}).get("role") != "old"}
-        returning = {p for p in owned.pids if before.get(str(p), {}).get("role") == "old"} | {
-            p
-            for p, h in owned.handoffs.items()
-            if str(p) in current.get(first, {}) and taken.get(str(p)) != h.move_id
-        }
-        held = set(owned.pids) | set(owned.old_tracks) | set(tracked_moves)
-        kept = held - returning  # the held pids read on from where this query is
-        keep: Offsets = {
-            s: {p: o for p, o in current.get(s, {}).items() if int(p) in kept} for s in self.streams
-        }
-        for key, t in before.items():
-            if int(key) in kept and (t["role"] == "old" or int(key) in owned.new_tracks):
-                tracking[key] = t
-        markers.extend((p, DROP_ROW, 0, 0, 0) for p in sorted(returning))
-        released: dict[str, dict[str, Any]] = {}
-        for p in sorted(int(p) for p in current.get(first, {}) if int(p) not in held):
-            move = owned.releasing.get(p)
-            released[str(p)] = {
-                "move_id": move.move_id if move else None,
-                "export": move is not None and move.mode is Mode.TRANSFER,
-                "announce": move is not None and move.mode is Mode.REPLAY,
-                "cutoff": {s: current[s][str(p)] for s in self.streams},
-            }
-        new = sorted(p for p in owned.pids if str(p) not in keep[first])
-        # A query's first batch may see pids already in transit from it that it never read (the move
-        # began while the instance was starting): it releases them where nobody has read them yet.
-        unread = (
-            sorted(p for p in owned.releasing if str(p) not in keep[first]) if offset["epoch"] == -1 else []
-        )
-        unhanded = [p for p in new if p not in owned.handoffs]
-        self._check_unprocessed(offset, owned.epoch, unhanded)
-        earliest = self._watermarks(unhanded + unread, "earliest")
-        for p in unread:
-            move = owned.releasing[p]
-            cutoff = {s: earliest[s][str(p)] for s in self.streams}
-            if move.mode is Mode.PARALLEL_TRACK:
-                for s in self.streams:
-                    keep[s][str(p)] = cutoff[s]
-            released[str(p)] = {
-                "move_id": move.move_id,
-                "export": move.mode is Mode.TRANSFER,
-                "announce": move.mode is Mode.REPLAY,
-                "cutoff": cutoff,
-            }
-        noted = read_watermarks(self.watermarks_path) if self.watermarks_path and starting else {}
-        for p, move in sorted(starting.items()):
-            if str(p) not in keep[first]:
-                continue  # not read by this query: nothing to track
-            cutoff = {s: keep[s][str(p)] for s in self.streams}
-            released.setdefault(
-                str(p), {"move_id": move.move_id, "export": False, "announce": False, "cutoff": cutoff}
-            )
-            released[str(p)]["track"] = True
-            stream_max = stream_max_at(noted, p, cutoff) if self.control_topic else None
-            if stream_max is not None:  # announced when the batch is planned (`partitions`)
-                released[str(p)] |= {"stream_max": list(stream_max), "announce": True}
-            tracking[str(p)] = {"role": "old", "move_id": move.move_id}
-            markers.append((p, TRACK_ROW, 0, TRACK_OLD, 0))
-        acquired: dict[str, dict[str, Any]] = {}
-        for p, resume in sorted(owned.track_handoffs.items()):
-            if str(p) in keep[first]:
-                continue  # resumed already
-            assert resume.since is not None and resume.stream_max is not None
-            for s in self.streams:
-                keep[s][str(p)] = resume.cutoff[s]
-            since = self._replay_from(p, resume.since)
-            acquired[str(p)] = {"handoff": handoff_to_json(resume), "replay_from": since}
-            markers.extend((p, WATERMARK_ROW, j, 0, t) for j, t in enumerate(resume.stream_max))
-            markers.append((p, TRACK_ROW, 0, TRACK_OLD, 0))
-            tracking[str(p)] = {"role": "old", "move_id": owned.old_tracks[p]}
-        for p in new:
-            handoff = owned.handoffs.get(p)
-            if handoff is None:
-                for s in self.streams:
-                    keep[s][str(p)] = earliest[s][str(p)]
-                continue
-            for s in self.streams:
-                keep[s][str(p)] = handoff.cutoff[s]
-            replay = self._replay_from(p, handoff.cutoff) if handoff.mode is Mode.REPLAY else None
-            acquired[str(p)] = {"handoff": handoff_to_json(handoff), "replay_from": replay}
-            if handoff.mode is Mode.PARALLEL_TRACK:
-                assert handoff.stream_max is not None, "a parallel_track handoff carries stream_max"
-                markers.extend((p, TRACK_ROW, j, TRACK_NEW, t) for j, t in enumerate(handoff.stream_max))
-                tracking[str(p)] = {"role": "new", "move_id": owned.new_tracks[p]}
-        return {
-            "epoch": owned.epoch,
-            "offsets": keep,
-            "released": released,
-            "acquired": acquired,
-            "tracking": tracking,
-            "taken": {str(p): h.move_id for p, h in sorted(owned.handoffs.items())},
-            "markers": markers,
-        }
-
-    def _check_unprocessed(self, offset: dict, epoch: int, pids: Sequence[int]) -> None:
+    def refuse_unprocessed(self, query_epoch: int, epoch: int, pids: Sequence[int]) -> None:
         """Refuse `pids`, owned in `epoch` with no handoff and new to this query, unless nobody has
         processed them: read from the log start with an empty window, they would emit every retained
-        result again. A running query gains pids only by handoffs. A fresh one (epoch -1) starts its
-        pipeline's first assignment, or an instance that starts after the first epochs, and takes such
-        pids only if this instance never committed them: a checkpoint wiped while the instance kept
-        its pids (it rejoined after an eviction it outlived, or lost its disk) must not start them over.
+        result again. A running query gains pids only by handoffs. A fresh one starts its pipeline's
+        first assignment, or an instance that starts after the first epochs, and takes such pids only
+        if this instance never committed them: a checkpoint wiped while the instance kept its pids (it
+        rejoined after an eviction it outlived, or lost its disk) must not start them over.
         """
-        if not pids:
-            return
-        if offset["epoch"] != -1:
-            why = f"new to a query that runs since epoch {offset['epoch']}"
+        if query_epoch != -1:
+            why = f"new to a query that runs since epoch {query_epoch}"
         elif self.commits_topic is None:
             return
         else:
@@ -376,14 +259,14 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         """The pids of this instance's newest commit marker, whatever its incarnation."""
         from pipeline.topics import read_topic
 
-        offsets: dict[str, int] = {}
+        pids: frozenset[int] = frozenset()
         for _, _, value in read_topic(self.bootstrap, commits_topic):
-            marker = json.loads(value)
-            if marker.get("instance") == self.instance:
-                offsets = marker["offsets"][self.streams[0]]
-        return frozenset(int(p) for p in offsets)
+            marker = marker_from_json(json.loads(value))
+            if marker.instance == self.instance:
+                pids = marker.pids()
+        return pids
 
-    def _replay_from(self, pid: int, cutoff: Mapping[str, int]) -> dict[str, int]:
+    def replay_from(self, pid: int, cutoff: Mapping[str, int]) -> dict[str, int]:
         """Offsets from which re-reading the input rebuilds the window the previous owner had at the
         cutoff. A tuple of stream i stays in a window while another stream can still bring a partner:
         down to W below the lowest of the other streams' newest event times (minus the lateness), and
@@ -504,22 +387,24 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             return {"epoch": owned.epoch, **carried, "offsets": end} | next_pid
         if start["epoch"] == -1:
             self._probe()  # connected before a replay needs it: a first read is slow (decision 0034)
-        plan = self._change_epoch(start, owned)
-        self._announce_releases(plan, tracks=False)
-        held: Offsets = plan["offsets"]
-        leaving = self._read_to_cutoff(start, plan["released"])
-        begin = {s: {**held[s], **{p: start["offsets"][s][p] for p in leaving}} for s in self.streams}
-        moves_out = any(r["move_id"] and not r["announce"] for r in plan["released"].values())
+        change = change_epoch(start, owned, self.streams, self)
+        self._announce_releases(change.epoch, change.released, tracks=False)
+        held = change.offsets
+        leaving = self._read_to_cutoff(start, change.released)
+        begin = {
+            s: {**held[s], **{str(p): start["offsets"][s][str(p)] for p in leaving}} for s in self.streams
+        }
+        moves_out = any(r.move_id and not r.announce for r in change.released.values())
         end, next_pid = self._read_up_to(begin, limit, int(start.get("next_pid", 0)), moves_out)
         for p in leaving:  # read on in this batch: its output up to the cutoff commits with it
-            plan["released"][p]["cutoff"] = {s: end[s][p] for s in self.streams}
-        plan["from"] = {  # pids entering where the start offset does not say (a returning one: elsewhere)
+            change.released[p].cutoff = {s: end[s][str(p)] for s in self.streams}
+        change.begins = {  # pids entering where the start offset does not say (a returning one: elsewhere)
             s: {p: o for p, o in held[s].items() if start["offsets"].get(s, {}).get(p) != o} for s in held
         }
-        plan["offsets"] = {s: {p: end[s][p] for p in held[s]} for s in self.streams}
-        return plan | next_pid
+        change.offsets = {s: {p: end[s][p] for p in held[s]} for s in self.streams}
+        return change.to_json() | next_pid
 
-    def _read_to_cutoff(self, start: dict, released: dict[str, Any]) -> list[str]:
+    def _read_to_cutoff(self, start: dict, released: Mapping[int, Release]) -> list[int]:
         """The released pids this batch reads on up to their cutoff, like every held pid: transfers
         that the batch's start offset has, whose window must hold that input when it is exported.
 
@@ -527,7 +412,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         from the log and reads on from there, so the sender has nothing to finish, and the receiver
         never waits for the sender's batch, which on a loaded sender is the longest."""
         read = start["offsets"].get(self.streams[0], {})
-        return [p for p, r in released.items() if r["export"] and p in read]
+        return [p for p, r in released.items() if r.export and str(p) in read]
 
     def _read_up_to(
         self, begin: Offsets, limit: ReadLimit, first_pid: int, moves_out: bool = False
@@ -604,7 +489,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return ReadMaxRows(self.max_rows)
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
-        self._announce_releases(end, tracks=True)
+        released, acquired = released_of(end), acquired_of(end)
+        self._announce_releases(int(end["epoch"]), released, tracks=True)
         begin = {s: {**start["offsets"].get(s, {}), **end.get("from", {}).get(s, {})} for s in self.streams}
         ranges = [
             PidRange(i, self.topics[i], int(p), begin[s][p], e)
@@ -612,38 +498,38 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             for p, e in end["offsets"].get(s, {}).items()
             if p in begin[s]
         ]
-        for p in self._read_to_cutoff(start, end.get("released", {})):  # then let go
+        for p in self._read_to_cutoff(start, released):  # then let go
             for i, s in enumerate(self.streams):
-                cutoff = end["released"][p]["cutoff"][s]
-                ranges.append(PidRange(i, self.topics[i], int(p), start["offsets"][s][p], cutoff))
+                ranges.append(
+                    PidRange(i, self.topics[i], p, start["offsets"][s][str(p)], released[p].cutoff[s])
+                )
         tasks = [
             KafkaPidPartition(t, self.partition_count, report=self.report)
             for t in plan_partitions(ranges, self.tasks)
         ]
-        releases = tuple(  # a parallel track's sender keeps the window (its old tuples)
-            (int(p), bool(r["export"])) for p, r in end.get("released", {}).items() if not r.get("track")
-        )
+        # a kept window's sender (an overlap's old side) neither exports nor drops it
+        releases = tuple((p, r.export) for p, r in released.items() if not r.track)
         snapshots = []
         replays = []
-        for p, a in end.get("acquired", {}).items():
-            handoff = handoff_from_json(a["handoff"])
+        for p, a in acquired.items():
+            handoff = a.handoff
             if handoff.snapshot is not None:
-                snapshots.append((int(p), handoff.snapshot))
+                snapshots.append((p, handoff.snapshot))
             window_end = handoff.since if handoff.since is not None else handoff.cutoff
             for i, s in enumerate(self.streams):
-                pid_range = partial(PidRange, i, self.topics[i], int(p))
-                if a["replay_from"] is not None and a["replay_from"][s] < window_end[s]:
-                    replays.append(pid_range(a["replay_from"][s], window_end[s], RangeKind.WINDOW))
+                pid_range = partial(PidRange, i, self.topics[i], p)
+                if a.replay_from is not None and a.replay_from[s] < window_end[s]:
+                    replays.append(pid_range(a.replay_from[s], window_end[s], RangeKind.WINDOW))
                 if window_end[s] < handoff.cutoff[s]:
                     replays.append(pid_range(window_end[s], handoff.cutoff[s], RangeKind.SILENT))
-        markers = tuple((int(p), int(c), int(i), int(k), int(t)) for p, c, i, k, t in end.get("markers", []))
+        markers = tuple(markers_of(end))
         if releases or snapshots or replays or markers:  # with the first task's reads: a task is a round trip
             first = tasks[0].ranges if tasks else []
             work = HandoffWork(releases, tuple(snapshots), markers)
             tasks[:1] = [KafkaPidPartition([*first, *replays], self.partition_count, work, self.report)]
         return tasks
 
-    def _announce_releases(self, plan: dict, tracks: bool) -> None:
+    def _announce_releases(self, epoch: int, released: Mapping[int, Release], tracks: bool) -> None:
         """Publish `Released` for the moves out this plan makes, before the batch commits: replays as
         soon as the plan has their cutoff (`tracks` false, from `latestOffset`), parallel tracks whose
         `stream_max` the plan knows once Spark has logged the plan (`tracks` true, from `partitions`).
@@ -657,25 +543,22 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         restart under the handoff's assignment, it would be lost while the receiver runs the new side.
         The sink publishes the same message again with the batch, as for every release; the
         controller's view keeps one per move."""
-        announced = [
-            (p, r)
-            for p, r in plan.get("released", {}).items()
-            if r.get("announce") and r["move_id"] and bool(r.get("track")) == tracks
-        ]
+        announced = [(p, r) for p, r in released.items() if r.announce and r.move_id and r.track == tracks]
         if not announced or self.control_topic is None:
             return
         from pipeline.control import publish
 
         producer = _producer(self.bootstrap)
         for p, r in announced:
+            assert r.move_id is not None
             msg = ReleasedMsg(
                 instance=self.instance,
-                epoch=int(plan["epoch"]),
-                pid=int(p),
-                move_id=r["move_id"],
-                cutoff=r["cutoff"],
+                epoch=epoch,
+                pid=p,
+                move_id=r.move_id,
+                cutoff=r.cutoff,
                 snapshot=None,
-                stream_max=tuple(r["stream_max"]) if r.get("stream_max") is not None else None,
+                stream_max=tuple(r.stream_max) if r.stream_max is not None else None,
                 announced=True,
             )
             publish(producer, self.control_topic, msg)

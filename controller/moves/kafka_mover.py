@@ -276,16 +276,9 @@ class KafkaPidMover:
         """Each instance's newest commit marker, per pid, and the incarnation that wrote it."""
         from pipeline.commits import newest_markers
 
-        streams = self.cfg.streams
-        markers: dict[str, dict[int, dict[str, int]]] = {}
-        incarnations: dict[str, str] = {}
-        for instance, marker in newest_markers(self.cfg, self.bootstrap).items():
-            offsets = marker.get("offsets", {})
-            markers[instance] = {
-                int(p): {s: int(offsets[s][p]) for s in streams} for p in offsets.get(streams[0], {})
-            }
-            incarnations[instance] = marker.get("incarnation", "?")
-        return markers, incarnations
+        newest = newest_markers(self.cfg, self.bootstrap)
+        markers = {instance: marker.cutoffs() for instance, marker in newest.items()}
+        return markers, {instance: marker.incarnation for instance, marker in newest.items()}
 
     def _earliest(self, pid: int) -> Mapping[str, int]:
         from pipeline.topics import admin_client, partition_offsets

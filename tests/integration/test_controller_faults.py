@@ -19,7 +19,8 @@ from controller.observation.liveness import PROGRESS_TIMEOUT_S
 from fluxjoin.cli import app
 from pipeline.config import Config, load_config
 from pipeline.control import ControlLog, publish, wait_for
-from pipeline.protocol import AcquiredMsg, AssignmentMsg, Handoff, Mode, MoveSpec, ReleasedMsg
+from pipeline.protocol import AcquiredMsg, AssignmentMsg, CommitMarker, Handoff, Mode, MoveSpec, ReleasedMsg
+from pipeline.protocol_codec import marker_to_json
 from pipeline.sink import ExactlyOnceSink
 from pipeline.topics import ensure_topics
 
@@ -65,8 +66,11 @@ def _hear(
 
 
 def _marker(producer: Producer, cfg: Config, instance: str, offsets: dict[str, dict[str, int]]) -> None:
-    marker = {"instance": instance, "incarnation": f"i{instance}", "batch": 3, "epoch": 0, "offsets": offsets}
-    producer.produce(cfg.sink_commits_topic, key=instance, value=json.dumps(marker))
+    by_pid = {s: {int(p): o for p, o in o_s.items()} for s, o_s in offsets.items()}
+    marker = CommitMarker(
+        instance=instance, incarnation=f"i{instance}", batch=3, epoch=0, offsets=by_pid, time_ms=0
+    )
+    producer.produce(cfg.sink_commits_topic, key=instance, value=json.dumps(marker_to_json(marker)))
     assert producer.flush(30) == 0
 
 

@@ -19,11 +19,18 @@ from pipeline.config import Config, load_config
 from pipeline.control import ControlLog, InstanceFollower
 from pipeline.instance import QueryProgress
 from pipeline.operator import KIND_RELEASED, KIND_STATE
-from pipeline.protocol import AcquiredMsg, AssignmentMsg
-from pipeline.protocol_codec import encode
+from pipeline.protocol import AcquiredMsg, AssignmentMsg, CommitMarker
+from pipeline.protocol_codec import encode, marker_to_json
 from pipeline.sink import TRANSACTION_TIMEOUT_S, ExactlyOnceSink, Fenced
 from pipeline.topics import ensure_topics, read_topic
 from tests.conftest import Broker
+
+
+def _marker(instance: str, incarnation: str, batch: int) -> str:
+    marker = CommitMarker(
+        instance=instance, incarnation=incarnation, batch=batch, epoch=0, offsets={}, time_ms=0
+    )
+    return json.dumps(marker_to_json(marker))
 
 
 def _config(prefix: str) -> Config:
@@ -90,16 +97,15 @@ def test_a_restarting_sink_finds_its_newest_marker_behind_another_instances_open
     ensure_topics(cfg, kafka_bootstrap)
     other = _transactional(kafka_bootstrap, f"{topic_prefix}.y", **{"transaction.timeout.ms": 2000})
     other.begin_transaction()
-    other.produce(cfg.sink_commits_topic, key="y", value=json.dumps({"instance": "y", "batch": 3}))
+    other.produce(cfg.sink_commits_topic, key="y", value=_marker("y", "j", 3))
     assert other.flush(30) == 0
     restarted = _transactional(kafka_bootstrap, f"{topic_prefix}.x")
     restarted.begin_transaction()
-    marker = {"instance": "x", "incarnation": "i", "batch": 7}
-    restarted.produce(cfg.sink_commits_topic, key="x", value=json.dumps(marker))
+    restarted.produce(cfg.sink_commits_topic, key="x", value=_marker("x", "i", 7))
     restarted.commit_transaction(30)
 
     newest = last_commit(cfg, kafka_bootstrap, "x", "i")
-    assert newest is not None and newest["batch"] == 7
+    assert newest is not None and newest.batch == 7
     assert "y" not in newest_markers(cfg, kafka_bootstrap), "the broker aborted y's transaction"
 
 
@@ -159,7 +165,7 @@ def test_a_sink_whose_transactional_id_is_taken_over_stops_as_evicted(
     with pytest.raises(Fenced):
         sink(_empty_batch(sink, 1), 1)
     newest = last_commit(cfg, kafka_bootstrap, "i", "inc")
-    assert newest is not None and newest["batch"] == 0, "batch 1 never committed"
+    assert newest is not None and newest.batch == 0, "batch 1 never committed"
 
 
 def test_a_heartbeat_says_how_far_the_query_has_got(

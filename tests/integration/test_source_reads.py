@@ -21,7 +21,8 @@ from pipeline.config import Config, load_config
 from pipeline.instance_files import OwnedPids
 from pipeline.kafka_reader import PidRange, read_ranges
 from pipeline.partitioning import pids_of
-from pipeline.protocol import Handoff, Mode
+from pipeline.protocol import CommitMarker, Handoff, Mode
+from pipeline.protocol_codec import marker_to_json
 from pipeline.rows import DROP_ROW
 from pipeline.source import FluxjoinStreamReader
 from pipeline.topics import ensure_topics
@@ -117,7 +118,7 @@ def test_a_replay_reaches_back_to_a_message_whose_later_tuples_the_window_still_
     assert producer.flush(30) == 0
     reader, _ = _planner(cfg, kafka_bootstrap, tmp_path, window_ms="1000", lateness_ms="100")
     try:
-        assert reader._replay_from(1, {"A": len(messages), "B": len(messages)}) == {"A": 1, "B": 1}
+        assert reader.replay_from(1, {"A": len(messages), "B": len(messages)}) == {"A": 1, "B": 1}
     finally:
         reader.stop()
 
@@ -180,7 +181,7 @@ def test_a_planned_range_whose_input_was_deleted_fails_naming_it(
     with pytest.raises(RuntimeError, match=rf"{topic}\[1\].* 0 .*20"):
         _read(reader, reader.initialOffset(), planned)
     # A replay of pid 1 re-reads from the log start, what is left of the window.
-    assert reader._replay_from(1, {"A": 30, "B": 30}) == {"A": 20, "B": 0}
+    assert reader.replay_from(1, {"A": 30, "B": 30}) == {"A": 20, "B": 0}
 
 
 def test_a_running_query_refuses_a_pid_owned_without_a_handoff(
@@ -208,10 +209,10 @@ def test_a_fresh_query_takes_a_pid_without_a_handoff_only_if_its_instance_never_
     cfg = _config(topic_prefix, kafka_bootstrap)
     _produce_pid_1(cfg, kafka_bootstrap, 0, 30)
     options = {"commits_topic": cfg.sink_commits_topic}
-    marker = {"instance": "here", "incarnation": "before", "batch": 4, "epoch": 2}
-    marker["offsets"] = {s: {"1": 30} for s in ("A", "B")}
+    offsets = {s: {1: 30} for s in ("A", "B")}
+    marker = CommitMarker(instance="here", incarnation="before", batch=4, epoch=2, offsets=offsets, time_ms=0)
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    producer.produce(cfg.sink_commits_topic, key="here", value=json.dumps(marker))
+    producer.produce(cfg.sink_commits_topic, key="here", value=json.dumps(marker_to_json(marker)))
     assert producer.flush(30) == 0
 
     reader, plan = _planner(cfg, kafka_bootstrap, tmp_path, **options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,7 @@ from pipeline.control_view import ControlView, Fold, Message, SnapshotMsg, fold,
 from pipeline.protocol import (
     AcquiredMsg,
     AssignmentMsg,
+    CommitMarker,
     Handoff,
     Mode,
     MoveRequestMsg,
@@ -19,7 +21,7 @@ from pipeline.protocol import (
     ReleasedMsg,
     Snapshot,
 )
-from pipeline.protocol_codec import decode, encode
+from pipeline.protocol_codec import decode, encode, marker_from_json, marker_to_json
 
 SNAP = Snapshot(topic="p.handoff", partition=0, offsets=(4, 5), sha256="ab" * 32)
 MOVE = MoveSpec(move_id="m1", pid=3, source="a", target="b", mode=Mode.TRANSFER)
@@ -197,3 +199,13 @@ def test_a_snapshot_merges_into_a_view_in_either_order() -> None:
     merged = known.merge(seen)
     assert merged.assignment == known.assignment and "m299" in merged.released
     assert merged.pending_requests() == [(request, 1), (request, 2)]
+
+
+def test_a_commit_marker_reads_back_as_written_and_names_its_cutoffs() -> None:
+    offsets = {"A": {1: 40, 7: 3}, "B": {1: 38, 7: 5}}
+    marker = CommitMarker(instance="i0", incarnation="x", batch=12, epoch=4, offsets=offsets, time_ms=99)
+    written = json.loads(json.dumps(marker_to_json(marker)))
+    assert written["offsets"] == {"A": {"1": 40, "7": 3}, "B": {"1": 38, "7": 5}}  # str pids, as ever
+    assert marker_from_json(written) == marker
+    assert marker.pids() == {1, 7}
+    assert marker.cutoffs() == {1: {"A": 40, "B": 38}, 7: {"A": 3, "B": 5}}

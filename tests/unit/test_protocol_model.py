@@ -73,7 +73,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -85,6 +85,7 @@ from controller.moves.driver import Markers, plan_step, to_recover
 from controller.moves.views import requested_moves
 from controller.observation.liveness import Liveness
 from pipeline.control_view import Fold, Message, SnapshotMsg, fold
+from pipeline.epoch_change import change_epoch
 from pipeline.instance_files import owned_pids
 from pipeline.protocol import (
     AcquiredMsg,
@@ -121,8 +122,38 @@ def new_id() -> str:
 @dataclass
 class Release:
     move_id: str | None
-    mode: Mode | None
+    export: bool  # a transfer: read up to the cutoff, the window shipped with `Released`
+    announce: bool  # a replay: `Released` at the plan
     cutoff: int
+
+
+class Refused(Exception):
+    """The query refuses pids owned with no handoff that it may have processed: the process fails."""
+
+
+@dataclass
+class ModelFacts:
+    """`pipeline.epoch_change.InputFacts` in the model: every log starts at 0, there are no windows (a
+    replay re-reads nothing), and the instance's committed pids are those of its newest marker."""
+
+    world: Any
+    proc: Any
+
+    def earliest(self, pids: Sequence[int]) -> dict[str, dict[str, int]]:
+        return {STREAM: {str(p): earliest(p)[STREAM] for p in pids}}
+
+    def replay_from(self, pid: int, cutoff: Mapping[str, int]) -> dict[str, int]:
+        return dict(cutoff)
+
+    def stream_max(self, pid: int, cutoff: Mapping[str, int]) -> tuple[int, ...] | None:
+        return None
+
+    def refuse_unprocessed(self, query_epoch: int, epoch: int, pids: Sequence[int]) -> None:
+        markers = self.world.markers
+        committed = set(markers[self.proc.name][1]) if self.proc.name in markers else set()
+        refused = list(pids) if query_epoch != -1 else [p for p in pids if p in committed]
+        if refused:
+            raise Refused(refused)
 
 
 @dataclass
@@ -244,37 +275,24 @@ class ProtocolModel(RuleBasedStateMachine):
             )
             return
         owned = owned_pids(a, proc.name)
-        held = set(owned.pids)
-        returning = {p for p, h in owned.handoffs.items() if p in proc.pos and proc.taken.get(p) != h.move_id}
-        keep = {p: o for p, o in proc.pos.items() if p in held - returning}
-        released: dict[int, Release] = {}
-        for p in sorted(proc.pos):
-            if p not in held:
-                move = owned.releasing.get(p)
-                released[p] = Release(
-                    move.move_id if move else None, move.mode if move else None, proc.pos[p]
-                )
-        new = sorted(p for p in owned.pids if p not in keep)
-        unread = sorted(p for p in owned.releasing if p not in keep) if proc.epoch == -1 else []
-        unhanded = [p for p in new if p not in owned.handoffs]
-        if unhanded:  # `_check_unprocessed`
-            committed = set(self.markers[proc.name][1]) if proc.name in self.markers else set()
-            refused = unhanded if proc.epoch != -1 else [p for p in unhanded if p in committed]
-            if refused:
-                self.events.append(f"{proc.name}: query refuses pids {refused} owned with no handoff")
-                proc.status = "dead"
-                return
-        for p in unread:
-            move = owned.releasing[p]
-            released[p] = Release(move.move_id, move.mode, earliest(p)[STREAM])
-        acquired: dict[int, str] = {}
-        for p in new:
-            h = owned.handoffs.get(p)
-            keep[p] = earliest(p)[STREAM] if h is None else h.cutoff[STREAM]
-            if h is not None:
-                acquired[p] = h.move_id
+        start = {
+            "epoch": proc.epoch,
+            "offsets": {STREAM: {str(p): o for p, o in proc.pos.items()}},
+            "taken": {str(p): m for p, m in proc.taken.items()},
+        }
+        try:
+            change = change_epoch(start, owned, [STREAM], ModelFacts(self, proc))
+        except Refused as refused:
+            self.events.append(f"{proc.name}: query refuses pids {refused.args[0]} owned with no handoff")
+            proc.status = "dead"
+            return
+        keep = {int(p): o for p, o in change.offsets[STREAM].items()}
+        released = {
+            p: Release(r.move_id, r.export, r.announce, r.cutoff[STREAM]) for p, r in change.released.items()
+        }
+        acquired = {p: acq.handoff.move_id for p, acq in change.acquired.items()}
         for p, r in released.items():  # `_announce_releases`: a replay's cutoff is certain at its plan
-            if r.move_id is not None and r.mode is Mode.REPLAY:
+            if r.move_id is not None and r.announce:
                 self.append(
                     ReleasedMsg(
                         instance=proc.name,
@@ -285,7 +303,7 @@ class ProtocolModel(RuleBasedStateMachine):
                         announced=True,
                     )
                 )
-        leaving = [p for p, r in released.items() if r.mode is Mode.TRANSFER and p in proc.pos]
+        leaving = [p for p, r in released.items() if r.export and p in proc.pos]
         begin = {**keep, **{p: proc.pos[p] for p in leaving}}
         end = {p: self.end[p] if read_all else b for p, b in begin.items()}
         for p in leaving:
@@ -343,7 +361,7 @@ class ProtocolModel(RuleBasedStateMachine):
                         pid=p,
                         move_id=r.move_id,
                         cutoff={STREAM: r.cutoff},
-                        snapshot=SNAP if r.mode is Mode.TRANSFER else None,
+                        snapshot=SNAP if r.export else None,
                     )
                 )
         for p, move_id in batch.acquired.items():
