@@ -13,12 +13,50 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 
 from pipeline.codec import decode_results
 from pipeline.operator import KIND_RESULT, KIND_STATS, HotKey
+
+PidFigures = TypedDict(
+    "PidFigures",
+    {
+        "in": int,  # input tuples the batch read of the pid
+        "results": int,
+        "state_bytes": int,  # the pid's window after the batch
+        "window_tuples": int,
+        "newest_ms": int,  # the newest event time read
+        "latency_sample": list[float],
+        "hot_key": tuple[int, int] | None,  # (key, results) of its hottest key, when it stands out
+    },
+)
+"""One pid's figures in a batch's metrics record (`BatchRecord.pids`)."""
+
+
+class BatchRecord(TypedDict):
+    """A committed batch's record on the metrics topic (`kind` "batch"), as JSON with these keys. The
+    controller's observer, `fluxjoin status`, the instance's /metrics and the benchmarks read it."""
+
+    kind: Literal["batch"]
+    instance: str
+    batch: int
+    epoch: int
+    time_ms: int  # wall clock at the commit
+    duration_s: float
+    busy: float  # the batch's share of the time since the previous batch ended
+    tuples_in: int
+    results: int
+    late: int
+    malformed: int
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+    latency_sample: list[float]  # evenly spaced over the batch's sorted latencies
+    pids: dict[str, PidFigures]
+    state_bytes: int  # every kept pid's window, idle ones included
+    state_budget_bytes: int
+    lag: dict[str, int]  # per pid: input messages beyond the batch's end
 
 
 def held_after(
@@ -88,7 +126,7 @@ def batch_record(
     held: Mapping[int, int],
     kept: Container[str],
     state_budget_bytes: int,
-) -> tuple[dict[str, Any], dict[int, int]]:
+) -> tuple[BatchRecord, dict[int, int]]:
     """Per-batch metrics (latency measured at `now`, wall-clock s, just before commit), and each kept
     pid's window bytes after the batch (`held_after` of `held`, the pids the batch's offsets keep).
 
@@ -100,7 +138,7 @@ def batch_record(
         by_pid = _by_pid(ready.result_pids, latency)
     stats = kind == KIND_STATS
     busy = (ended - started) / max(ended - last_end, 1e-3)
-    pids = {
+    pids: dict[str, PidFigures] = {
         str(p): {
             "in": int(n),
             "results": int(r),
@@ -122,11 +160,11 @@ def batch_record(
         )
     }
     held_now = held_after(held, pids, kept)
-    record = {
+    record: BatchRecord = {
         "kind": "batch",
         "instance": instance,
         "batch": batch_id,
-        "epoch": offsets["epoch"],
+        "epoch": int(offsets["epoch"]),
         "time_ms": int(now * 1000),
         "duration_s": ended - started,
         "busy": min(1.0, busy),

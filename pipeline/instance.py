@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.batch_metrics import BatchRecord
 from pipeline.config import Config
 from pipeline.health import STALL_TIMEOUT_S, InstanceHealth, InstanceMetrics, Phase, serve
 from pipeline.instance_files import OwnedPids, read_assignment, write_assignment
@@ -195,7 +196,7 @@ def start_query(
     bootstrap: str,
     name: str,
     incarnation: str,
-    on_commit: Callable[[dict[str, Any]], None] | None = None,
+    on_commit: Callable[[BatchRecord], None] | None = None,
     state_budget: Callable[[], int] | None = None,
 ) -> tuple[Any, ExactlyOnceSink]:
     """Build and start the instance's streaming query; the assignment file must exist. Returns the query

@@ -46,7 +46,7 @@ import numpy as np
 import pyarrow as pa
 from confluent_kafka import KafkaError, KafkaException
 
-from pipeline.batch_metrics import BeforeCommit, batch_record, result_times
+from pipeline.batch_metrics import BatchRecord, BeforeCommit, batch_record, result_times
 from pipeline.batch_output import BatchOutput, stream_max_columns
 from pipeline.commits import Evictions, last_commit, read_logged_offsets, transactional_id
 from pipeline.config import Config
@@ -114,7 +114,7 @@ class ExactlyOnceSink:
         checkpoint: Path,
         watermarks: Path,
         recent_yields: Path,
-        on_commit: Callable[[dict[str, Any]], None] | None = None,
+        on_commit: Callable[[BatchRecord], None] | None = None,
         state_budget: Callable[[], int] | None = None,
     ) -> None:
         from confluent_kafka import Producer
@@ -208,7 +208,7 @@ class ExactlyOnceSink:
         self._warn_hot(metrics)
         self._warn_over_budget(metrics)
 
-    def _note_yields(self, offsets: dict[str, Any], metrics: dict[str, Any]) -> None:
+    def _note_yields(self, offsets: dict[str, Any], metrics: BatchRecord) -> None:
         """Note each pid's tuples and results, for the source to bound the next batches by
         (`pipeline.batch_sizing.pids_within`); pids no longer kept are forgotten."""
         kept = offsets["offsets"].get(self.streams[0], {})
@@ -220,7 +220,7 @@ class ExactlyOnceSink:
         if fed:
             write_recent_yields(self.recent_yields_path, self._recent_yields)
 
-    def _warn_hot(self, metrics: dict[str, Any]) -> None:
+    def _warn_hot(self, metrics: BatchRecord) -> None:
         """Name the pid and key behind a batch that made a large share of the results bound: later
         batches take fewer tuples (`pipeline.batch_sizing.tuples_within`), and the operator should know
         why."""
@@ -245,7 +245,7 @@ class ExactlyOnceSink:
             key,
         )
 
-    def _warn_over_budget(self, metrics: dict[str, Any]) -> None:
+    def _warn_over_budget(self, metrics: BatchRecord) -> None:
         """Say when the windows hold more than the budget, at most every HOT_WARNING_EVERY_S: the
         controller's memory policies move state away from such an instance (docs/memory.md)."""
         held, budget = metrics["state_bytes"], metrics["state_budget_bytes"]
@@ -261,7 +261,7 @@ class ExactlyOnceSink:
             len(self._held),
         )
 
-    def _attempts(self, batch_id: int, write: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def _attempts(self, batch_id: int, write: Callable[[], BatchRecord]) -> BatchRecord:
         """`write` (the batch's `_write`), again in a new transaction while the broker aborts it or is
         away (decisions 0048, 0052). The output is the same every time; an aborted attempt is invisible
         to read_committed readers."""
@@ -321,7 +321,7 @@ class ExactlyOnceSink:
         kind: np.ndarray,
         started: float,
         ready: BeforeCommit,
-    ) -> dict[str, Any]:
+    ) -> BatchRecord:
         """One transaction with the batch's whole output, its commit marker and its metrics; returns
         the metrics."""
         self.producer.begin_transaction()
@@ -399,7 +399,7 @@ class ExactlyOnceSink:
         late: int,
         malformed: int,
         ready: BeforeCommit,
-    ) -> dict[str, Any]:
+    ) -> BatchRecord:
         """Per-batch metrics, written in the batch's transaction (latency measured just before commit).
         The record is `batch_record`'s; the clocks, the previous batch's end and the windows held are
         the sink's, as they outlive the batch."""
