@@ -73,8 +73,8 @@ them after a 20 s pause of the broker). A transaction that meets an error is abo
 and every reader of the inputs reads committed (decision 0061)."""
 
 TRANSACTION_ATTEMPTS = 8
-"""A transaction the broker aborts for a reason other than an outage is written again up to this many
-times; an outage is waited out however long it lasts."""
+"""A transaction that fails for a reason other than an outage is written again up to this many times in
+a row; an outage is waited out however long it lasts."""
 
 
 class DeliveryError(RuntimeError):
@@ -192,6 +192,8 @@ class _Sender:
         self._stop = stop
         self._open: list[tuple[str, int, bytes, bytes, int]] = []
         """The open transaction's messages, to write again if it is aborted."""
+        self._refused: KafkaError | None = None
+        """Why the producer refused a message of the open transaction, if it did."""
         self._begun = time.monotonic()
         self.open_bytes = 0
         self.messages = 0
@@ -226,38 +228,58 @@ class _Sender:
             except BufferError:
                 # librdkafka's queue is full: serve delivery reports to make room, then retry.
                 self.producer.poll(0.05)
+            except KafkaException as exc:
+                # The transaction failed meanwhile (a message timed out in an outage, the broker
+                # aborted it): the message is kept with the others, which `commit` writes again.
+                self._refused = exc.args[0]
+                return
 
     def commit(self) -> None:
-        """Commit the open transaction (if it holds anything) and begin the next. Aborted by the broker,
-        it is written again, up to TRANSACTION_ATTEMPTS times; a broker away is waited out however long
-        it is away, saying so in the log every `LOG_EVERY_S`; fenced after the transaction timeout (the
-        broker aborted it while away), a new producer writes it again; fenced sooner, another generator
-        took over, and this one stops."""
+        """Commit the open transaction (if it holds anything) and begin the next. A broker away is
+        waited out however long it is away, saying so in the log every `LOG_EVERY_S`. A transaction
+        that fails otherwise is written again (`_start_over`), up to TRANSACTION_ATTEMPTS times in a
+        row."""
         if not self._open:
             return
-        aborted = 0
+        attempts = 0
         while True:
             try:
+                if self._refused is not None:  # never committed without the messages it refused
+                    raise KafkaException(self._refused)
                 self._waiting(self.producer.commit_transaction, f"commit {len(self._open):,} messages")
                 break
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
-                timeout_s = PRODUCER_CONFIG["transaction.timeout.ms"] / 1000
-                if error.txn_requires_abort() and aborted < TRANSACTION_ATTEMPTS:
-                    aborted += 1
-                    self._waiting(self.producer.abort_transaction, "abort a transaction")
-                    self.producer.begin_transaction()
-                elif error.fatal() and time.monotonic() - self._begun > timeout_s:
-                    self.producer = self._new_producer()
-                else:
+                attempts += 1
+                if attempts > TRANSACTION_ATTEMPTS:
                     raise DeliveryError(f"the generator cannot write its input: {error.str()}") from exc
+                self._start_over(error)
                 log.warning("generator: a transaction was not committed (%s); writing it again", error.str())
-                self._begun = time.monotonic()
+                self._begun, self._refused = time.monotonic(), None
                 for message in self._open:
                     self._produce(*message)
         self.transactions += 1
         self._open.clear()
         self.open_bytes = 0
+        self.producer.begin_transaction()
+
+    def _start_over(self, error: KafkaError) -> None:
+        """Leave a failed transaction for a new one: abort it, or, once the producer is fenced after the
+        transaction timeout (the broker aborted the transaction while away), make a new producer. A
+        fence sooner means another generator took over, and this one stops (`DeliveryError`)."""
+        if error.fatal():
+            open_s = time.monotonic() - self._begun
+            if open_s <= PRODUCER_CONFIG["transaction.timeout.ms"] / 1000:
+                raise DeliveryError(f"another generator took over this pipeline's input ({error.str()})")
+            self.producer = self._new_producer()
+            return
+        try:
+            self._waiting(self.producer.abort_transaction, "abort a transaction")
+        except KafkaException as exc:
+            if not exc.args[0].fatal():
+                raise DeliveryError(f"the generator cannot write its input: {exc.args[0].str()}") from exc
+            self._start_over(exc.args[0])
+            return
         self.producer.begin_transaction()
 
     def _waiting(self, call: Callable[[float], None], what: str) -> None:
