@@ -38,8 +38,9 @@ class InputFacts(Protocol):
         """Where re-reading `pid`'s input rebuilds the window its previous owner had at `cutoff`."""
         ...
 
-    def stream_max(self, pid: int, cutoff: Mapping[str, int]) -> tuple[int, ...] | None:
-        """The window's `stream_max` the sink noted with its input at `cutoff`; None if not noted."""
+    def stream_maxes(self, cutoffs: Mapping[int, Mapping[str, int]]) -> Mapping[int, tuple[int, ...]]:
+        """Per pid of `cutoffs`, the window's `stream_max` the sink noted with its input at that cutoff;
+        a pid it did not note is left out. Asked once per plan: the sink's notes are one file."""
         ...
 
     def refuse_unprocessed(self, query_epoch: int, epoch: int, pids: Sequence[int]) -> None:
@@ -121,13 +122,14 @@ def change_epoch(
             announce=rules.released_at_plan,
             cutoff=cutoff,
         )
-    for p, move in sorted(starting.items()):
-        if str(p) not in keep[first]:
-            continue  # not read by this query: nothing to track
-        cutoff = {s: keep[s][str(p)] for s in streams}
+    # an overlap of a pid this query does not read has nothing to track
+    overlaps = {p: {s: keep[s][str(p)] for s in streams} for p in sorted(starting) if str(p) in keep[first]}
+    noted = facts.stream_maxes(overlaps) if overlaps else {}
+    for p, cutoff in overlaps.items():
+        move = starting[p]
         release = released.setdefault(p, Release(move.move_id, export=False, announce=False, cutoff=cutoff))
         release.track = True
-        stream_max = facts.stream_max(p, cutoff)
+        stream_max = noted.get(p)
         if stream_max is not None:  # announced when the batch is planned (`partitions`)
             release.stream_max, release.announce = list(stream_max), True
         tracking[p] = Tracking("old", move.move_id)

@@ -228,10 +228,12 @@ class FluxjoinStreamReader(DataSourceStreamReader):
     def earliest(self, pids: Sequence[int]) -> Offsets:
         return self._watermarks(pids, "earliest")
 
-    def stream_max(self, pid: int, cutoff: Mapping[str, int]) -> tuple[int, ...] | None:
+    def stream_maxes(self, cutoffs: Mapping[int, Mapping[str, int]]) -> dict[int, tuple[int, ...]]:
         if self.watermarks_path is None or self.control_topic is None:
-            return None
-        return stream_max_at(read_watermarks(self.watermarks_path), pid, cutoff)
+            return {}
+        noted = read_watermarks(self.watermarks_path)
+        found = {p: stream_max_at(noted, p, cutoff) for p, cutoff in cutoffs.items()}
+        return {p: stream_max for p, stream_max in found.items() if stream_max is not None}
 
     def refuse_unprocessed(self, query_epoch: int, epoch: int, pids: Sequence[int]) -> None:
         """Refuse `pids`, owned in `epoch` with no handoff and new to this query, unless nobody has

@@ -37,8 +37,8 @@ class Facts:
     def replay_from(self, pid: int, cutoff: Mapping[str, int]) -> dict[str, int]:
         return {s: o - 10 for s, o in cutoff.items()}
 
-    def stream_max(self, pid: int, cutoff: Mapping[str, int]) -> tuple[int, ...] | None:
-        return self.noted.get(pid)
+    def stream_maxes(self, cutoffs: Mapping[int, Mapping[str, int]]) -> Mapping[int, tuple[int, ...]]:
+        return {p: self.noted[p] for p in cutoffs if p in self.noted}
 
     def refuse_unprocessed(self, query_epoch: int, epoch: int, pids: Sequence[int]) -> None:
         refused = list(pids) if query_epoch != -1 else [p for p in pids if p in self.committed]

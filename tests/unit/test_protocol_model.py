@@ -145,8 +145,8 @@ class ModelFacts:
     def replay_from(self, pid: int, cutoff: Mapping[str, int]) -> dict[str, int]:
         return dict(cutoff)
 
-    def stream_max(self, pid: int, cutoff: Mapping[str, int]) -> tuple[int, ...] | None:
-        return None
+    def stream_maxes(self, cutoffs: Mapping[int, Mapping[str, int]]) -> Mapping[int, tuple[int, ...]]:
+        return {}
 
     def refuse_unprocessed(self, query_epoch: int, epoch: int, pids: Sequence[int]) -> None:
         markers = self.world.markers
