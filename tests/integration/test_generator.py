@@ -70,7 +70,7 @@ class Message:
 
 def read_all(bootstrap: str, topic: str, partitions: int) -> list[Message]:
     """Every committed message of `topic`, as the instances read it (read_committed): each partition up
-    to its end (end-of-partition, which lies past the last transaction's marker), then again while the
+    to its end (end-of-partition, which lies past the last transaction's marker), then again those whose
     ends still move. A fresh look at the ends after reaching them makes the read complete even if the
     first look raced the broker's last acknowledged append."""
     consumer = Consumer(
@@ -92,9 +92,14 @@ def read_all(bootstrap: str, topic: str, partitions: int) -> list[Message]:
         consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
         out: list[Message] = []
         deadline = time.monotonic() + 60
-        seen = ends()
+        seen: dict[int, int] = {}
         while True:
-            pending = set(range(partitions))
+            # a partition reports its end once per arrival there: wait only on those whose end moved
+            latest = ends()
+            pending = {p for p in range(partitions) if latest[p] != seen.get(p)}
+            if not pending:
+                return out
+            seen = latest
             while pending:
                 assert time.monotonic() < deadline, f"timed out reading {topic}"
                 for msg in consumer.consume(1000, timeout=0.1):
@@ -106,10 +111,6 @@ def read_all(bootstrap: str, topic: str, partitions: int) -> list[Message]:
                         continue
                     assert value is not None
                     out.append(Message(partition, msg.key(), msg.timestamp()[1], value))
-            latest = ends()
-            if latest == seen:
-                return out
-            seen = latest
     finally:
         consumer.close()
 
