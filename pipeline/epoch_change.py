@@ -2,8 +2,8 @@
 does to the pids that leave, enter or overlap (`change_epoch`).
 
 No Kafka, no files, no clock: what it needs of the input (a pid's earliest offsets, where a replay
-re-reads from, the window's `stream_max` the sink noted) it asks of an `InputFacts`, which the source
-(`pipeline.source.FluxjoinStreamReader`) answers from Kafka and a model-based test answers from a
+re-reads from, the window's `stream_max` the sink noted) it asks of an `InputFacts`, which
+`pipeline.input_facts.KafkaInputFacts` answers from Kafka and a model-based test answers from a
 simulated log. How each handoff mode treats the window is `pipeline.protocol.MODE_RULES`.
 """
 

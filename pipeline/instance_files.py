@@ -47,7 +47,7 @@ class OwnedPids:
     pids: frozenset[int]
     # Pids being taken over: where to continue and how to get the window. A pid new to this instance
     # without a handoff starts at the earliest offsets with an empty window (a fresh pipeline; refused
-    # where the instance processed it before, `FluxjoinStreamReader.refuse_unprocessed`).
+    # where the instance processed it before, `KafkaInputFacts.refuse_unprocessed`).
     handoffs: Mapping[int, Handoff] = field(default_factory=dict)
     # Pids in transit from this instance: released at the next batch boundary (parallel_track: the
     # overlap begins there instead).

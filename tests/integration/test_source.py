@@ -282,8 +282,8 @@ def test_a_replay_reaches_back_a_window_below_the_other_streams_newest_tuple_bef
     assert producer.flush(30) == 0
     reader, _ = _planner(cfg, kafka_bootstrap, tmp_path, window_ms="1000", lateness_ms="0")
     try:
-        assert reader.replay_from(1, {"A": 30, "B": 20}) == {"A": 9, "B": 19}
-        assert reader.replay_from(1, {"A": 30, "B": 15}) == {"A": 4, "B": 14}
-        assert reader.replay_from(1, {"A": 5, "B": 0}) == {"A": 0, "B": 0}
+        assert reader.facts.replay_from(1, {"A": 30, "B": 20}) == {"A": 9, "B": 19}
+        assert reader.facts.replay_from(1, {"A": 30, "B": 15}) == {"A": 4, "B": 14}
+        assert reader.facts.replay_from(1, {"A": 5, "B": 0}) == {"A": 0, "B": 0}
     finally:
         reader.stop()

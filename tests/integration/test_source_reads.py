@@ -118,7 +118,7 @@ def test_a_replay_reaches_back_to_a_message_whose_later_tuples_the_window_still_
     assert producer.flush(30) == 0
     reader, _ = _planner(cfg, kafka_bootstrap, tmp_path, window_ms="1000", lateness_ms="100")
     try:
-        assert reader.replay_from(1, {"A": len(messages), "B": len(messages)}) == {"A": 1, "B": 1}
+        assert reader.facts.replay_from(1, {"A": len(messages), "B": len(messages)}) == {"A": 1, "B": 1}
     finally:
         reader.stop()
 
@@ -181,7 +181,7 @@ def test_a_planned_range_whose_input_was_deleted_fails_naming_it(
     with pytest.raises(RuntimeError, match=rf"{topic}\[1\].* 0 .*20"):
         _read(reader, reader.initialOffset(), planned)
     # A replay of pid 1 re-reads from the log start, what is left of the window.
-    assert reader.replay_from(1, {"A": 30, "B": 30}) == {"A": 20, "B": 0}
+    assert reader.facts.replay_from(1, {"A": 30, "B": 30}) == {"A": 20, "B": 0}
 
 
 def test_a_running_query_refuses_a_pid_owned_without_a_handoff(
