@@ -4,12 +4,12 @@ While input flows at a fixed real-time rate into windows large enough that state
 one instance is cut to a share of what its windows hold (`pipeline.control.set_state_budget`, as
 `fluxjoin budget` does). The same run is made with no adaptation (`static`) and each policy that reads
 memory: Liu and Rundensteiner's distributed adaptation (`memory`), Flux's memory-constrained round
-(`flux-memory`) and its hybrid (`hybrid`). Per variant: how long the squeezed instance stays over its
-budget, the peak of state over budget per instance after the squeeze, the pids moved, the results and
-the oracle's counts. An instance that exits fails the run.
-
-Nothing spills yet (docs/memory.md): an instance over its budget keeps its windows, so the variants
-differ only in what the controller moves.
+(`flux-memory`) and its hybrid (`hybrid`), and with no policy but spilling (`spill`: the least
+productive pids first, Liu and Rundensteiner's choice; `spill-most-productive`: the reverse, for their
+comparison), lazy clean-up, so that it runs once the input has ended, as theirs does. Per variant: how
+long the squeezed instance stays over its budget, the peak of state over budget per instance after the
+squeeze, the pids moved, the results made while the input flowed and in all, the clean-up's work and
+time, and the oracle's counts. An instance that exits fails the run.
 """
 
 from __future__ import annotations
@@ -19,13 +19,41 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.run import DRAIN_TIMEOUT_S, bench_run, drain, follow_input, moved_pids, save_report, start_warm
+from bench.run import (
+    DRAIN_TIMEOUT_S,
+    bench_run,
+    drain,
+    follow_input,
+    moved_pids,
+    ratio_to,
+    save_report,
+    start_warm,
+)
 from local.processes import LocalPipeline, MetricsFollower, wait_drained
 from pipeline.config import Config
 
-VARIANTS = ("static", "memory", "flux-memory", "hybrid")
-"""No adaptation, then each policy that reads memory."""
+VARIANTS = ("static", "spill", "spill-most-productive", "memory", "flux-memory", "hybrid")
+"""No adaptation, spilling alone (either order), then each policy that reads memory."""
 SQUEEZED = "instance-0"
+SPILL_THRESHOLD = 0.9
+"""The spill variants spill once the windows hold this share of the budget."""
+
+
+def variant_settings(variant: str) -> tuple[str, dict[str, Any]]:
+    """The controller's policy of a variant and its instances' config overrides: a spill variant runs
+    the `static` policy with spilling on (lazy clean-up), the others their policy with spilling off."""
+    if variant == "spill":
+        choice = "least-productive"
+    elif variant == "spill-most-productive":
+        choice = "most-productive"
+    else:
+        return variant, {}
+    spilling = {
+        "instance.spill_threshold": SPILL_THRESHOLD,
+        "instance.spill_choice": choice,
+        "instance.spill_cleanup": "lazy",
+    }
+    return "static", spilling
 
 
 def memory_config(
@@ -81,6 +109,41 @@ def peak_fill(records: Sequence[dict[str, Any]], from_ms: float) -> dict[str, fl
     return dict(sorted(peaks.items()))
 
 
+def results_until(records: Sequence[dict[str, Any]], until_ms: float) -> int:
+    """The results of the batches committed by `until_ms` (while the input flowed)."""
+    return sum(int(r["results"]) for r in records if r.get("kind") == "batch" and r["time_ms"] <= until_ms)
+
+
+def cleanup_figures(records: Sequence[dict[str, Any]], input_end_ms: float) -> dict[str, Any]:
+    """What the clean-ups did: pids cleaned, tuples re-read and results made, and the seconds from the
+    end of the input to the last clean-up's batch (None without one after it)."""
+    cleaned = [
+        (r["time_ms"], entry)
+        for r in records
+        if r.get("kind") == "batch"
+        for entry in r.get("cleaned", {}).values()
+    ]
+    late = [t for t, _ in cleaned if t >= input_end_ms]
+    return {
+        "cleanups": len(cleaned),
+        "cleanup_tuples": sum(int(tuples) for _, (tuples, _) in cleaned),
+        "cleanup_results": sum(int(results) for _, (_, results) in cleaned),
+        "cleanup_s": round((max(late) - input_end_ms) / 1000, 1) if late else None,
+    }
+
+
+def results_over_time(records: Sequence[dict[str, Any]], start_ms: float, bucket_s: float = 5.0) -> list[int]:
+    """Results per `bucket_s` seconds from `start_ms`, all instances together: the report's plot."""
+    buckets: list[int] = []
+    for r in records:
+        if r.get("kind") != "batch" or r["time_ms"] < start_ms:
+            continue
+        i = int((r["time_ms"] - start_ms) / 1000 / bucket_s)
+        buckets.extend([0] * (i + 1 - len(buckets)))
+        buckets[i] += int(r["results"])
+    return buckets
+
+
 def held_by(records: Sequence[dict[str, Any]], instance: str) -> int:
     """The state the instance's newest batch record reports."""
     mine = [r for r in records if r.get("kind") == "batch" and r["instance"] == instance]
@@ -109,6 +172,7 @@ def run_variant(
     budget = 0
     try:
         start_warm(pipeline, follower, records, policy, decisions=decisions)
+        started_ms = time.time() * 1000
 
         def squeeze(since_s: float) -> None:
             nonlocal squeezed_ms, budget
@@ -119,7 +183,9 @@ def run_variant(
                 say(f"{policy}: {SQUEEZED}'s budget cut to {budget:,} bytes")
 
         follow_input(pipeline, follower, records, squeeze)
+        input_end_ms = time.time() * 1000
         wait_drained(pipeline, timeout_s=DRAIN_TIMEOUT_S)  # the oracle judges the whole input
+        wait_cleaned(pipeline, follower, records)
         records.extend(drain(follower))
     finally:
         follower.close()
@@ -131,14 +197,36 @@ def run_variant(
         "over_budget_s": over_budget_s(records, SQUEEZED, after),
         "peak_fill_after_squeeze": peak_fill(records, after),
         "moves": moved_pids(decisions),
+        "results_during_input": results_until(records, input_end_ms),
         "results": sum(int(r["results"]) for r in records if r.get("kind") == "batch"),
+        **cleanup_figures(records, input_end_ms),
+        "restarts": 0,  # an instance that exits fails the run
         "exact": report.exact,
         "missing": report.missing,
         "duplicate": report.duplicate,
         "spurious": report.spurious,
     }
-    say(f"{policy}: {point}")
-    return point
+    say(f"{policy}: { {k: v for k, v in point.items() if k != 'results_per_5s'} }")
+    return point | {"results_per_5s": results_over_time(records, started_ms)}
+
+
+def wait_cleaned(
+    pipeline: LocalPipeline, follower: MetricsFollower, records: list[dict[str, Any]], timeout_s: float = 300
+) -> None:
+    """Block until no instance's newest batch holds a spilled pid: lazy clean-up runs once the input has
+    paused, after the instances have read it all."""
+    from pipeline.control import wait_for
+
+    def none_spilled() -> bool:
+        records.extend(follower.poll())
+        newest: dict[str, dict[str, Any]] = {}
+        for r in records:
+            if r.get("kind") == "batch":
+                newest[r["instance"]] = r
+        pipeline.check_alive()
+        return not any(r.get("spilled") for r in newest.values())
+
+    wait_for(none_spilled, timeout_s, "every spilled pid cleaned up", 1.0)
 
 
 def run_memory_bench(
@@ -166,11 +254,42 @@ def run_memory_bench(
         }
     }
     with bench_run(cfg, "memory", say) as run:
-        for policy in variants:
-            name = f"{run.run_id}-{policy}"
-            c = memory_config(cfg, name, rate, seconds, instances, window_s)
-            summary[policy] = run_variant(
+        for variant in variants:
+            name = f"{run.run_id}-{variant}"
+            policy, overrides = variant_settings(variant)
+            c = memory_config(cfg, name, rate, seconds, instances, window_s).with_overrides(**overrides)
+            summary[variant] = run_variant(
                 c, run.bootstrap, run.work / name, policy, squeeze_at_s, squeeze_to, say
             )
+    least, most = summary.get("spill"), summary.get("spill-most-productive")
+    if least and most:  # Liu and Rundensteiner: spilling the least productive leaves less to clean up
+        summary["cleanup_tuples_most_over_least"] = ratio_to(most["cleanup_tuples"], least["cleanup_tuples"])
+        summary["cleanup_s_most_over_least"] = ratio_to(most["cleanup_s"], least["cleanup_s"])
     save_report(run.run_id, "memory", summary, say)
+    plot_results(run.run_id, summary, say)
     return summary
+
+
+def plot_results(run_id: str, summary: dict[str, Any], say: Callable[[str], None]) -> None:
+    """Results per 5 s per variant, as reports/bench/<run id>/memory.png, where matplotlib is installed
+    (the `plots` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        say("no plot: matplotlib is not installed (pip install 'fluxjoin[plots]')")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for variant, point in summary.items():
+        if isinstance(point, dict) and "results_per_5s" in point:
+            series = point["results_per_5s"]
+            ax.plot([5 * i for i in range(len(series))], series, label=variant)
+    ax.set_xlabel("seconds since the input started")
+    ax.set_ylabel("results per 5 s")
+    ax.legend()
+    out = Path("reports") / "bench" / run_id / "memory.png"
+    fig.savefig(out, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    say(f"plot: {out}")

@@ -18,7 +18,8 @@ from typing import Any, Literal, TypedDict
 import numpy as np
 
 from pipeline.codec import decode_results
-from pipeline.operator import KIND_RESULT, KIND_STATS, HotKey
+from pipeline.operator import KIND_CLEANED, KIND_RESULT, KIND_STATS, HotKey
+from pipeline.spill import cleanups_of, spilled_of
 
 PidFigures = TypedDict(
     "PidFigures",
@@ -57,6 +58,8 @@ class BatchRecord(TypedDict):
     state_bytes: int  # every kept pid's window, idle ones included
     state_budget_bytes: int
     lag: dict[str, int]  # per pid: input messages beyond the batch's end
+    spilled: dict[str, int]  # per pid whose old generation is out of memory after the batch: its bytes
+    cleaned: dict[str, tuple[int, int]]  # per pid cleaned up in the batch: (tuples re-read, results made)
 
 
 def held_after(
@@ -160,6 +163,13 @@ def batch_record(
         )
     }
     held_now = held_after(held, pids, kept)
+    cleaned = kind == KIND_CLEANED
+    made = {
+        int(p): (int(n), int(r))
+        for p, n, r in zip(
+            columns["pid"][cleaned], columns["key"][cleaned], columns["aux"][cleaned], strict=True
+        )
+    }
     record: BatchRecord = {
         "kind": "batch",
         "instance": instance,
@@ -180,5 +190,8 @@ def batch_record(
         "state_bytes": sum(held_now.values()),
         "state_budget_bytes": state_budget_bytes,
         "lag": ready.lag,
+        "spilled": {str(p): spill.state_bytes for p, spill in sorted(spilled_of(offsets).items())},
+        # clean-ups planned here, and recoveries of a dead owner's spilled pids (`Handoff.spilled`)
+        "cleaned": {str(p): made.get(p, (0, 0)) for p in sorted({*cleanups_of(offsets), *made})},
     }
     return record, held_now

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.spill import CleanupWhen, SpillChoice
+
 
 class ConfigError(ValueError):
     """Raised for an invalid configuration file or override; the message is meant for the user."""
@@ -220,6 +222,14 @@ class InstanceConfig(_Strict):
     # driver's heap, where the state store keeps its windows (docs/memory.md says why a quarter). A
     # budget set while it runs (`fluxjoin budget`) replaces this one.
     state_budget_bytes: int = Field(0, ge=0)
+    # Spilling (docs/memory.md): when the windows hold more than `spill_threshold` of the state budget,
+    # about `spill_fraction` of their state leaves memory, whole pids in the order `spill_choice` gives,
+    # and is cleaned up later (`spill_cleanup`); 0: never spill (an instance out of heap exits instead,
+    # decision 0031).
+    spill_threshold: float = Field(0.0, ge=0.0, le=1.0)
+    spill_fraction: float = Field(0.3, gt=0.0, le=1.0)
+    spill_choice: Literal["least-productive", "most-productive"] = SpillChoice.LEAST_PRODUCTIVE.value
+    spill_cleanup: Literal["active", "lazy"] = CleanupWhen.ACTIVE.value
     work_dir: str = ".fluxjoin"
     # CPU cores each local instance process may use (a cgroup quota, like a pod's CPU limit); None: no limit.
     cpu_limit: float | None = Field(None, gt=0)

@@ -154,7 +154,9 @@ def change_epoch(
         for s in streams:
             keep[s][str(p)] = handoff.cutoff[s]
         rules = MODE_RULES[handoff.mode]
-        replay = facts.replay_from(p, handoff.cutoff) if rules.receiver_rebuilds_from_log else None
+        # a pid its dead owner had spilled: the window at the spill point (`pipeline.spill`)
+        rebuilt_at = handoff.spilled if handoff.spilled is not None else handoff.cutoff
+        replay = facts.replay_from(p, rebuilt_at) if rules.receiver_rebuilds_from_log else None
         acquired[p] = Acquire(handoff, replay)
         if rules.sender_keeps_window:  # the new side of an overlap: only results of new tuples
             assert handoff.stream_max is not None, "a kept window's handoff carries stream_max"

@@ -210,6 +210,7 @@ def start_query(
     checkpoint = home / "checkpoint"
     watermarks = (home / "watermarks.json").resolve()
     recent_yields = (home / "recent_yields.json").resolve()
+    spill_requests = (home / "spill_requests.json").resolve()
     spark.dataSource.register(FluxjoinSource)
     rows = (
         spark.readStream.format("fluxjoin")
@@ -231,6 +232,8 @@ def start_query(
         .option("watermarks", str(watermarks))
         .option("control_topic", cfg.control_topic)
         .option("commits_topic", cfg.sink_commits_topic)
+        .option("spill_requests", str(spill_requests))
+        .option("spill_cleanup", cfg.instance.spill_cleanup)
         .load()
     )
     joined = rows.groupBy("pid").applyInPandasWithState(
@@ -250,6 +253,7 @@ def start_query(
         recent_yields,
         on_commit,
         state_budget,
+        spill_requests,
     )
     query = (
         joined.writeStream.queryName(name.replace("-", "_"))

@@ -3,9 +3,10 @@ for the source after every batch.
 
 The control follower writes the assignment file and the source reads it at every batch boundary; the
 sink writes each kept pid's window `stream_max` with the offsets it has read up to (the watermarks
-file) and recent batches' tuples and results (the recent-yields file), which the source reads when it
-plans a batch. Apart from the source because the control follower, the sink and the health endpoint
-write or read them too, without Spark. Every file is replaced atomically (`_replace_json`).
+file), recent batches' tuples and results (the recent-yields file) and the pids to spill (the
+spill-requests file), which the source reads when it plans a batch. Apart from the source because the
+control follower, the sink and the health endpoint write or read them too, without Spark. Every file
+is replaced atomically (`_replace_json`).
 """
 
 from __future__ import annotations
@@ -145,6 +146,18 @@ def read_recent_yields(path: Path) -> Yields:
     if not isinstance(noted, dict):
         return {}
     return {int(p): [(int(t), int(r)) for t, r in recent] for p, recent in noted.items()}
+
+
+def write_spill_requests(path: Path, pids: Mapping[int, int]) -> None:
+    """The file of the pids the sink asks the next batch to spill, each with its window's bytes
+    (`pipeline.spill.choose_spills`); empty when none is to spill."""
+    _replace_json(path, {str(p): b for p, b in pids.items()})
+
+
+def read_spill_requests(path: Path) -> dict[int, int]:
+    """What `write_spill_requests` wrote; empty before the first batch."""
+    noted = _read_json(path)
+    return {int(p): int(b) for p, b in noted.items()} if isinstance(noted, dict) else {}
 
 
 def stream_max_at(noted: Mapping[str, Any], pid: int, cutoff: Mapping[str, int]) -> tuple[int, ...] | None:

@@ -24,6 +24,7 @@ from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.protocol import Snapshot
 from pipeline.rows import (
     ARROW_SCHEMA,
+    CROSS_ROW,
     MALFORMED_STREAM,
     RELEASE_ROW,
     SILENT_ROW,
@@ -40,11 +41,13 @@ _READ_TIMEOUT_S = 60.0
 class RangeKind(IntEnum):
     """What a range's rows are, as the base of their `stream` code: new input, joined; input re-read to
     rebuild a taken-over pid's window (replay), installed, never joined or dead-lettered; input a dead
-    instance processed before the cutoff (`Handoff.since`), processed again silently."""
+    instance processed before the cutoff (`Handoff.since`), processed again silently; a spilled pid's
+    new generation re-read at its clean-up, joined with the old generation only (`pipeline.spill`)."""
 
     INPUT = 0
     WINDOW = WINDOW_ROW
     SILENT = SILENT_ROW
+    CROSS = CROSS_ROW
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ state      4      tuple key        event time         stream index     tuple id 
 released   5      exported tuples  0                  0                stream_max[0]         stream_max[j]
 track done 6      0                0                  side (1 old/2 new) 0                     0
 watermark  7      0                0                  0                stream_max[0]         stream_max[j]
+cleaned    8      tuples re-read   0                  results made     0                     0
 =========  =====  ===============  =================  ===============  ====================  ==========
 
 A `stats` row's `payload` names the pid's hottest key of the batch: the key with the most results and
@@ -34,13 +35,14 @@ the sender (whose largest event time per stream, `stream_max`, the receiver star
 in this batch the sender's last old tuple left the window, or no new tuple can join an old one any more
 on the receiver. `watermark`: the window's `stream_max` as this batch leaves it, for each pid the
 instance keeps; the sink notes them, so that a parallel track can start from the batch's plan, before
-the batch that begins it has run.
+the batch that begins it has run. `cleaned`: a spilled pid's clean-up ran in this batch (`pipeline.spill`):
+how many of its new generation's tuples it re-read and how many results spanning the generations it made.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -61,10 +63,12 @@ from pipeline.join import (
     window_to_bytes,
 )
 from pipeline.rows import (
+    CROSS_ROW,
     DROP_ROW,
     MALFORMED_STREAM,
     RELEASE_ROW,
     SILENT_ROW,
+    SPILL_ROW,
     TRACK_NEW,
     TRACK_OLD,
     TRACK_ROW,
@@ -81,7 +85,8 @@ from pipeline.rows import (
     KIND_RELEASED,
     KIND_TRACK_DONE,
     KIND_WATERMARK,
-) = range(8)
+    KIND_CLEANED,
+) = range(9)
 STATE_SCHEMA = "window binary"
 RESULTS_PER_MESSAGE = 8_000
 """Results per `result` row, and so per results message: 256 KB for a 2-way join, well under Kafka's
@@ -184,6 +189,18 @@ def make_join_function(
             shipped = stream_max_of(stream_col == WATERMARK_ROW)
             window = install(window, rows_of(WINDOW_ROW), shipped, window_ms, allowed_lateness_ms)
 
+        if (stream_col == SPILL_ROW).any():  # the old generation leaves memory; lateness goes on as before
+            window = replace(WindowState.empty(streams), stream_max=window.stream_max)
+        cross = (stream_col >= CROSS_ROW) & (stream_col < CROSS_ROW + streams)
+        cleaned = 0
+        if cross.any():  # a clean-up: the window at the spill point, installed above, and the new generation
+            old_side = join_step(begin_old_track(window), rows_of(CROSS_ROW), window_ms, allowed_lateness_ms)
+            for chunk in old_side.results:  # only results with an old tuple: the rest were produced
+                cleaned += len(chunk)
+                yield _result_frame(pid, chunk, streams)
+            window = replace(old_side.state, old=None)  # the whole window, as if it had never spilled
+            yield _frame(KIND_CLEANED, pid, int(cross.sum()), 0, cleaned, [0] * streams, 1)
+
         zeros = [0] * (streams - 1)
         track = stream_col == TRACK_ROW
         roles = set(keys[track].tolist())
@@ -195,7 +212,7 @@ def make_join_function(
             window = begin_old_track(window)
             yield _frame(KIND_RELEASED, pid, 0, 0, 0, list(window.stream_max), 1)
         receiving = window.old_max is not None
-        if (stream_col >= SILENT_ROW).any():  # as the dead instance processed them; its output stands
+        if ((stream_col >= SILENT_ROW) & (stream_col < CROSS_ROW)).any():  # as the dead instance did
             window = join_step(window, rows_of(SILENT_ROW), window_ms, allowed_lateness_ms).state
 
         new = rows_of(0)

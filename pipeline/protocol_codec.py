@@ -53,6 +53,7 @@ def handoff_to_json(h: Handoff) -> dict[str, Any]:
         "snapshot": snapshot_to_json(h.snapshot),
         "stream_max": list(h.stream_max) if h.stream_max is not None else None,
         "since": dict(h.since) if h.since is not None else None,
+        **({"spilled": dict(h.spilled)} if h.spilled is not None else {}),
     }
 
 
@@ -64,6 +65,7 @@ def handoff_from_json(d: dict[str, Any]) -> Handoff:
         snapshot=snapshot_from_json(d.get("snapshot")),
         stream_max=_stream_max(d.get("stream_max")),
         since={s: int(o) for s, o in d["since"].items()} if d.get("since") is not None else None,
+        spilled={s: int(o) for s, o in d["spilled"].items()} if d.get("spilled") is not None else None,
     )
 
 
@@ -249,6 +251,7 @@ def marker_to_json(m: CommitMarker) -> dict[str, Any]:
         "epoch": m.epoch,
         "offsets": {s: {str(p): o for p, o in by_pid.items()} for s, by_pid in m.offsets.items()},
         "time_ms": m.time_ms,
+        **({"spilled": {str(p): dict(c) for p, c in m.spilled.items()}} if m.spilled else {}),
     }
 
 
@@ -260,4 +263,5 @@ def marker_from_json(d: dict[str, Any]) -> CommitMarker:
         epoch=int(d["epoch"]),
         offsets={s: {int(p): int(o) for p, o in by_pid.items()} for s, by_pid in d["offsets"].items()},
         time_ms=int(d["time_ms"]),
+        spilled={int(p): {s: int(o) for s, o in c.items()} for p, c in d.get("spilled", {}).items()},
     )

@@ -28,8 +28,11 @@ WATERMARK_ROW = -3  # id = stream index j, ts = stream_max[j] of an installed sn
 TRACK_ROW = -4
 TRACK_OLD, TRACK_NEW = 1, 2
 DROP_ROW = -5  # the window this instance still holds for the pid is stale: dropped before anything else
+SPILL_ROW = -6  # the window leaves memory (its `stream_max` stays): new tuples start a new generation
 WINDOW_ROW = 16  # WINDOW_ROW + j: a window tuple of stream j to install, not to join
 SILENT_ROW = 32  # SILENT_ROW + j: a tuple of stream j a dead instance processed: processed again, silently
+CROSS_ROW = 48  # CROSS_ROW + j: a tuple of stream j's new generation, re-read at clean-up: joined with the
+# old generation only (`pipeline.spill`)
 
 
 def pid_rows(pid: int, stream: Any, ids: Any, keys: Any, ts: Any) -> pa.RecordBatch:

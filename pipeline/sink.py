@@ -48,13 +48,15 @@ from confluent_kafka import KafkaError, KafkaException
 
 from pipeline.batch_metrics import BatchRecord, BeforeCommit, batch_record, result_times
 from pipeline.batch_output import BatchOutput, stream_max_columns
+from pipeline.batch_plan import acquired_of, released_of, tracking_of
 from pipeline.commits import Evictions, last_commit, read_logged_offsets, transactional_id
 from pipeline.config import Config
-from pipeline.instance_files import write_recent_yields, write_watermarks
+from pipeline.instance_files import write_recent_yields, write_spill_requests, write_watermarks
 from pipeline.kafka_client import kafka_config
 from pipeline.operator import KIND_LATE, KIND_MALFORMED, KIND_RESULT, KIND_WATERMARK
 from pipeline.protocol import CommitMarker, eviction_entries
 from pipeline.protocol_codec import marker_to_json
+from pipeline.spill import SpillChoice, choose_spills, spilled_of
 from pipeline.topics import broker_away, partition_offsets
 
 log = logging.getLogger(__name__)
@@ -116,6 +118,7 @@ class ExactlyOnceSink:
         recent_yields: Path,
         on_commit: Callable[[BatchRecord], None] | None = None,
         state_budget: Callable[[], int] | None = None,
+        spill_requests: Path | None = None,
     ) -> None:
         from confluent_kafka import Producer
         from confluent_kafka.admin import AdminClient
@@ -130,6 +133,9 @@ class ExactlyOnceSink:
         # Kept across restarts: it describes the workload, not this incarnation's state.
         self.recent_yields_path = recent_yields
         self._recent_yields: dict[int, deque[tuple[int, int]]] = {}
+        self.spill_requests_path = spill_requests
+        if spill_requests is not None:  # asked by a previous incarnation, of windows it may not hold
+            spill_requests.unlink(missing_ok=True)
         self.producer = Producer(
             {
                 **kafka_config(bootstrap),
@@ -205,6 +211,7 @@ class ExactlyOnceSink:
             self.on_commit(metrics)
         self._note_watermarks(offsets, columns, kind)
         self._note_yields(offsets, metrics)
+        self._note_spills(offsets, metrics)
         self._warn_hot(metrics)
         self._warn_over_budget(metrics)
 
@@ -219,6 +226,26 @@ class ExactlyOnceSink:
         self._recent_yields = {p: r for p, r in self._recent_yields.items() if str(p) in kept}
         if fed:
             write_recent_yields(self.recent_yields_path, self._recent_yields)
+
+    def _note_spills(self, offsets: dict[str, Any], metrics: BatchRecord) -> None:
+        """Ask the next batch to spill pids while the windows hold more than the spill threshold of the
+        budget (`pipeline.spill.choose_spills`): pids spilled already, or in a move or an overlap, are
+        not candidates. The next batch's plan decides (`FluxjoinStreamReader`), and Spark logs it."""
+        settings = self.cfg.instance
+        if self.spill_requests_path is None or settings.spill_threshold <= 0:
+            return
+        busy = {*spilled_of(offsets), *tracking_of(offsets), *released_of(offsets), *acquired_of(offsets)}
+        recent = {p: sum(r for _, r in batches) for p, batches in self._recent_yields.items()}
+        chosen = choose_spills(
+            self._held,
+            recent,
+            metrics["state_budget_bytes"],
+            settings.spill_threshold,
+            settings.spill_fraction,
+            SpillChoice(settings.spill_choice),
+            [p for p in self._held if p not in busy],
+        )
+        write_spill_requests(self.spill_requests_path, {p: self._held[p] for p in chosen})
 
     def _warn_hot(self, metrics: BatchRecord) -> None:
         """Name the pid and key behind a batch that made a large share of the results bound: later
@@ -337,6 +364,7 @@ class ExactlyOnceSink:
             epoch=int(offsets["epoch"]),
             offsets={s: {int(p): o for p, o in by_pid.items()} for s, by_pid in offsets["offsets"].items()},
             time_ms=int(time.time() * 1000),
+            spilled={p: spill.cutoff for p, spill in spilled_of(offsets).items()},
         )
         value = json.dumps(marker_to_json(marker))
         self.producer.produce(self.cfg.sink_commits_topic, key=self.instance, value=value)

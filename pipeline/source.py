@@ -30,11 +30,18 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
-from pipeline.batch_plan import Release, acquired_of, markers_of, released_of
+from pipeline.batch_plan import Release, acquired_of, markers_of, released_of, tracking_of
 from pipeline.batch_sizing import RESULTS_HEADROOM, ArrivalMeter, BatchBound, Offsets, pids_within
 from pipeline.epoch_change import change_epoch
 from pipeline.input_facts import KafkaInputFacts
-from pipeline.instance_files import move_steps, read_assignment, read_recent_yields
+from pipeline.instance_files import (
+    move_steps,
+    read_assignment,
+    read_recent_yields,
+    read_spill_requests,
+    read_watermarks,
+    stream_max_at,
+)
 from pipeline.join import PROGRESS_ID
 from pipeline.kafka_client import kafka_config
 from pipeline.kafka_reader import (
@@ -46,10 +53,8 @@ from pipeline.kafka_reader import (
     read_ranges,
 )
 from pipeline.protocol import ReleasedMsg
-from pipeline.rows import (
-    SOURCE_SCHEMA,
-    WINDOW_ROW,
-)
+from pipeline.rows import DROP_ROW, SOURCE_SCHEMA, SPILL_ROW, WATERMARK_ROW, WINDOW_ROW
+from pipeline.spill import Cleanup, CleanupWhen, Spill, cleanups_of, old_generation_gone, spilled_of
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +194,12 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         )
         self._per_message: float | None = None
         self._sampled_at = 0.0
+        path = options.get("spill_requests")
+        self.spill_requests_path = Path(path) if path else None
+        self.spill_cleanup = CleanupWhen(options.get("spill_cleanup", CleanupWhen.ACTIVE.value))
+        self._latest: Offsets = {}
+        """The input's end offsets when the batch being planned was sized: a pid with none beyond where
+        the batch begins is idle."""
 
     def initialOffset(self) -> dict:
         """Epoch -1 and no pids: the first batch enters the assignment like any later epoch change."""
@@ -207,7 +218,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         if owned.epoch == start["epoch"]:
             end, next_pid = self._read_up_to(start["offsets"], limit, int(start.get("next_pid", 0)))
             carried = {k: start.get(k, {}) for k in ("tracking", "taken")}
-            return {"epoch": owned.epoch, **carried, "offsets": end} | next_pid
+            return self._with_spills(start, {"epoch": owned.epoch, **carried, "offsets": end} | next_pid)
         if start["epoch"] == -1:
             self.facts.probe()  # connected before a replay needs it: a first read is slow (decision 0034)
         change = change_epoch(start, owned, self.streams, self.facts)
@@ -225,7 +236,69 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             s: {p: o for p, o in held[s].items() if start["offsets"].get(s, {}).get(p) != o} for s in held
         }
         change.offsets = {s: {p: end[s][p] for p in held[s]} for s in self.streams}
-        return change.to_json() | next_pid
+        return self._with_spills(start, change.to_json() | next_pid)
+
+    def _with_spills(self, start: dict, plan: dict[str, Any]) -> dict[str, Any]:
+        """`plan` with its spills and clean-ups (`pipeline.spill`): the spilled pids carried on but those
+        whose clean-up is due, and the pids the sink asks to spill (their input in this batch is the
+        first of a new generation). Decided here, in the plan Spark logs, so a restarted query replays
+        the same spills and clean-ups."""
+        spilled = spilled_of(start)
+        asked = read_spill_requests(self.spill_requests_path) if self.spill_requests_path else {}
+        if not spilled and not asked:
+            return plan
+        first, before = self.streams[0], start["offsets"]
+        held = plan["offsets"].get(first, {})
+        busy = {*released_of(plan), *tracking_of(plan), *acquired_of(plan)}
+        path = self.facts.watermarks_path
+        noted = read_watermarks(path) if path else {}
+        markers = markers_of(plan)
+        carried: dict[int, Spill] = {}
+        cleanups: dict[int, Cleanup] = {}
+        for p, spill in sorted(spilled.items()):
+            begin = {s: before[s][str(p)] for s in self.streams}
+            if not self._cleanup_due(p, spill, begin, p in busy or str(p) not in held, noted):
+                carried[p] = spill
+                continue
+            replay_from = self.facts.replay_from(p, spill.cutoff)
+            cleanups[p] = Cleanup(replay_from, spill.cutoff, begin, spill.state_bytes)
+            markers.append((p, DROP_ROW, 0, 0, 0))  # the new generation: the clean-up rebuilds it whole
+            if spill.stream_max is not None:
+                markers.extend((p, WATERMARK_ROW, j, 0, t) for j, t in enumerate(spill.stream_max))
+        for p, state_bytes in sorted(asked.items()):
+            if p in spilled or p in busy or str(p) not in held or str(p) not in before.get(first, {}):
+                continue
+            cutoff = {s: before[s][str(p)] for s in self.streams}
+            if self._idle(p, cutoff):  # its clean-up would be due at once: spilling it frees nothing
+                continue
+            stream_max = stream_max_at(noted, p, cutoff)
+            carried[p] = Spill(cutoff, state_bytes, list(stream_max) if stream_max is not None else None)
+            markers.append((p, SPILL_ROW, 0, 0, 0))
+        out = {k: v for k, v in plan.items() if k not in ("spilled", "cleanups")} | {"markers": markers}
+        if carried:
+            out["spilled"] = {str(p): spill.to_json() for p, spill in carried.items()}
+        if cleanups:
+            out["cleanups"] = {str(p): cleanup.to_json() for p, cleanup in cleanups.items()}
+        return out
+
+    def _idle(self, p: int, begin: Mapping[str, int]) -> bool:
+        """Whether pid `p` has no input beyond `begin`, where the batch being planned begins it."""
+        return all(self._latest.get(s, {}).get(str(p)) == begin[s] for s in self.streams)
+
+    def _cleanup_due(
+        self, p: int, spill: Spill, begin: Mapping[str, int], leaving: bool, noted: Mapping[str, Any]
+    ) -> bool:
+        """Whether a spilled pid is cleaned up in the batch being planned: always before it leaves (a
+        spill point never travels with a handoff) and once its input pauses; with active clean-up also
+        as soon as its old generation has left the window, when the clean-up brings nothing back into
+        memory (`pipeline.spill.CleanupWhen`)."""
+        if leaving or self._idle(p, begin):
+            return True
+        if self.spill_cleanup is CleanupWhen.LAZY or spill.stream_max is None:
+            return False
+        now = stream_max_at(noted, p, begin)
+        window_ms, lateness_ms = self.facts.window_ms, self.facts.lateness_ms
+        return now is not None and old_generation_gone(spill.stream_max, now, window_ms, lateness_ms)
 
     def _read_to_cutoff(self, start: dict, released: Mapping[int, Release]) -> list[int]:
         """The released pids this batch reads on up to their cutoff, like every held pid: transfers
@@ -246,7 +319,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         pids = sorted(int(p) for p in begin[self.streams[0]])
         if not pids:
             return begin, {}
-        latest = self.facts.offsets(pids, latest=True)
+        latest = self._latest = self.facts.offsets(pids, latest=True)
         self._arrivals.observe(latest, time.monotonic())
         backlog = sum(latest[s][p] - begin[s][p] for s in latest for p in latest[s])
         if moves_out and self._arrivals.behind(backlog, self.behind_horizon_s):
@@ -338,13 +411,24 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             handoff = a.handoff
             if handoff.snapshot is not None:
                 snapshots.append((p, handoff.snapshot))
-            window_end = handoff.since if handoff.since is not None else handoff.cutoff
+            # after the window: input a dead old side processed, or a dead owner's spilled pid's new
+            # generation, joined with the old one only (`pipeline.spill`)
+            window_end, after = handoff.since, RangeKind.SILENT
+            if window_end is None:
+                window_end, after = handoff.spilled or handoff.cutoff, RangeKind.CROSS
             for i, s in enumerate(self.streams):
                 pid_range = partial(PidRange, i, self.topics[i], p)
                 if a.replay_from is not None and a.replay_from[s] < window_end[s]:
                     replays.append(pid_range(a.replay_from[s], window_end[s], RangeKind.WINDOW))
                 if window_end[s] < handoff.cutoff[s]:
-                    replays.append(pid_range(window_end[s], handoff.cutoff[s], RangeKind.SILENT))
+                    replays.append(pid_range(window_end[s], handoff.cutoff[s], after))
+        for p, c in cleanups_of(end).items():  # a spilled pid's generations, before its new input
+            for i, s in enumerate(self.streams):
+                pid_range = partial(PidRange, i, self.topics[i], p)
+                if c.replay_from[s] < c.cutoff[s]:
+                    replays.append(pid_range(c.replay_from[s], c.cutoff[s], RangeKind.WINDOW))
+                if c.cutoff[s] < c.to[s]:
+                    replays.append(pid_range(c.cutoff[s], c.to[s], RangeKind.CROSS))
         markers = tuple(markers_of(end))
         if releases or snapshots or replays or markers:  # with the first task's reads: a task is a round trip
             first = tasks[0].ranges if tasks else []

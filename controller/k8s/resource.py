@@ -402,6 +402,24 @@ class InstanceSpec(_Spec):
         "policies move state away from an instance over it. `fluxjoin budget` changes it while it runs.",
         format="int64",
     )
+    spill_threshold: float = _like(
+        InstanceConfig,
+        "spill_threshold",
+        "Spill window state out of memory when it passes this share of the state budget, and clean up "
+        "later, exactly (docs/memory.md); 0 never spills.",
+    )
+    spill_fraction: float = _like(
+        InstanceConfig, "spill_fraction", "About what share of the window state one spill takes out."
+    )
+    spill_choice: Literal["least-productive", "most-productive"] = _like(
+        InstanceConfig, "spill_choice", "Which pids spill first: fewest results per byte, or the most."
+    )
+    spill_cleanup: Literal["active", "lazy"] = _like(
+        InstanceConfig,
+        "spill_cleanup",
+        "When a spilled pid is cleaned up: active, once its old generation has left the window; lazy, "
+        "once its input pauses. Always before it moves.",
+    )
 
 
 class ResourcesSpec(_Spec):

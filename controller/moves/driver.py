@@ -86,10 +86,12 @@ def plan_step(
     markers: Markers,
     earliest: Callable[[int], Mapping[str, int]],
     new_id: Callable[[], str],
+    spilled: Markers | None = None,
 ) -> tuple[AssignmentMsg | None, list[str]]:
     """The next assignment (None: nothing to publish) and what happened, as lines for the log.
 
-    `markers` are the instances' newest commit markers (read once the dead ones are fenced);
+    `markers` are the instances' newest commit markers (read once the dead ones are fenced), and
+    `spilled` the spill points they hold (`CommitMarker.spilled`), per instance and pid;
     `earliest(pid)` the log start offsets, for the pids of a dead instance that never committed anything;
     `new_id()` a move id never used before, for each handoff that recovers a dead instance's pid.
 
@@ -111,7 +113,7 @@ def plan_step(
         survivors = sorted(members - set(dead))
         if not survivors:
             return draft.published_after(a)
-        _recover(draft, view, liveness, dead, survivors, markers, earliest, new_id)
+        _recover(draft, view, liveness, dead, survivors, markers, earliest, new_id, spilled or {})
     _start_requested(draft, view, requested, members, dead)
     return draft.published_after(a)
 
@@ -179,8 +181,10 @@ def _recover(
     markers: Markers,
     earliest: Callable[[int], Mapping[str, int]],
     new_id: Callable[[], str],
+    spilled: Markers,
 ) -> None:
-    """The pids, moves and overlap sides of `dead` go to `survivors` by replay; the dead are evicted."""
+    """The pids, moves and overlap sides of `dead` go to `survivors` by replay; the dead are evicted.
+    A pid the dead instance had spilled is replayed from its spill point (`Handoff.spilled`)."""
     owners, moving, handoffs, tracks, said = d.owners, d.moving, d.handoffs, d.tracks, d.said
     load = {i: sum(1 for o in owners.values() if o == i) for i in survivors}
 
@@ -228,7 +232,8 @@ def _recover(
                 if handoff is None and track is not None:  # the overlap's new side: its tuples
                     handoffs[p] = _resume(view, track, cutoff, new_id())  # since the cutoff, re-read
             elif cutoff is not None:  # what it committed (a handoff it took, unseen, included)
-                handoffs[p] = Handoff(move_id=new_id(), mode=Mode.REPLAY, cutoff=cutoff)
+                spill = spilled.get(dying, {}).get(p)
+                handoffs[p] = Handoff(move_id=new_id(), mode=Mode.REPLAY, cutoff=cutoff, spilled=spill)
             elif handoff is not None:  # a handoff never taken: the new owner starts where it said,
                 # under an id of its own, which a late acknowledgement of the dead one cannot end
                 handoffs[p] = replace(handoff, move_id=new_id())

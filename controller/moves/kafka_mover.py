@@ -206,14 +206,21 @@ class KafkaPidMover:
             self.observer.expect(holders(a.owners, a.moving, a.tracks))
         liveness = self.observer.liveness()  # once: one step acts on one answer
         markers: Markers = {}
+        spilled: Markers = {}
         if view.assignment is not None and (dying := to_recover(view.assignment, liveness)):
             self._fence(view.assignment, dying, liveness)
-            markers, incarnations = self._newest_markers()
+            markers, spilled, incarnations = self._newest_markers()
             liveness = replace(liveness, incarnations={**incarnations, **liveness.incarnations})
             view = self.log.catch_up()  # what the fenced committed before the fence
         requested, said = requested_moves(view, time.time() * 1000)
         msg, planned = plan_step(
-            view, liveness, [*self._requested.values(), *requested], markers, self._earliest, _recovery_id
+            view,
+            liveness,
+            [*self._requested.values(), *requested],
+            markers,
+            self._earliest,
+            _recovery_id,
+            spilled,
         )
         said += planned
         if msg is not None:
@@ -272,13 +279,15 @@ class KafkaPidMover:
                 self._fenced.add(key)
                 self.say(f"{i} fenced: no transaction of it commits any more")
 
-    def _newest_markers(self) -> tuple[Markers, dict[str, str]]:
-        """Each instance's newest commit marker, per pid, and the incarnation that wrote it."""
+    def _newest_markers(self) -> tuple[Markers, Markers, dict[str, str]]:
+        """Each instance's newest commit marker: its cutoffs and spill points per pid, and the
+        incarnation that wrote it."""
         from pipeline.commits import newest_markers
 
         newest = newest_markers(self.cfg, self.bootstrap)
         markers = {instance: marker.cutoffs() for instance, marker in newest.items()}
-        return markers, {instance: marker.incarnation for instance, marker in newest.items()}
+        spilled = {instance: marker.spilled for instance, marker in newest.items()}
+        return markers, spilled, {instance: marker.incarnation for instance, marker in newest.items()}
 
     def _earliest(self, pid: int) -> Mapping[str, int]:
         from pipeline.topics import admin_client, partition_offsets

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.memory import held_by, over_budget_s, peak_fill
+from bench.memory import (
+    cleanup_figures,
+    held_by,
+    over_budget_s,
+    peak_fill,
+    results_over_time,
+    results_until,
+    variant_settings,
+)
 
 
 def _batch(instance: str, time_ms: float, state: int, budget: int) -> dict[str, Any]:
@@ -40,3 +48,37 @@ def test_peak_fill_per_instance_after_the_squeeze() -> None:
     ]
     assert peak_fill(records, from_ms=1000) == {"i0": 2.0, "i1": 0.1}
     assert held_by(records, "i0") == 900
+
+
+def test_results_while_the_input_flowed_and_over_time() -> None:
+    records = [
+        {**_batch("i0", 1000, 0, 1), "results": 5},
+        {**_batch("i1", 4000, 0, 1), "results": 7},
+        {**_batch("i0", 12000, 0, 1), "results": 11},
+        {"kind": "heartbeat", "instance": "i1", "time_ms": 2000},
+    ]
+    assert results_until(records, until_ms=4000) == 12
+    assert results_over_time(records, start_ms=0) == [12, 0, 11]
+
+
+def test_the_clean_ups_work_and_how_long_after_the_input_it_ended() -> None:
+    records = [
+        {**_batch("i0", 1000, 0, 1), "cleaned": {"3": [100, 40]}},  # an active one, mid-run
+        {**_batch("i0", 9000, 0, 1), "cleaned": {"4": [30, 2], "5": [0, 0]}},
+        {**_batch("i1", 10000, 0, 1), "cleaned": {}},
+    ]
+    assert cleanup_figures(records, input_end_ms=5000) == {
+        "cleanups": 3,
+        "cleanup_tuples": 130,
+        "cleanup_results": 42,
+        "cleanup_s": 4.0,
+    }
+    assert cleanup_figures(records[:1], input_end_ms=5000)["cleanup_s"] is None
+
+
+def test_a_spill_variant_runs_no_policy_with_spilling_on() -> None:
+    assert variant_settings("hybrid") == ("hybrid", {})
+    policy, overrides = variant_settings("spill-most-productive")
+    assert policy == "static"
+    assert overrides["instance.spill_choice"] == "most-productive"
+    assert overrides["instance.spill_threshold"] > 0

@@ -21,6 +21,7 @@ from pipeline.config import Config
 from pipeline.join import Part
 from pipeline.oracle import (
     PartitionLog,
+    VerifyReport,
     check_produced,
     count_expected,
     judge,
@@ -232,6 +233,24 @@ def test_exact_needs_the_dead_letters_to_match_the_rule() -> None:
         late_unknown=2,
     )  # fmt: skip
     assert (stray.late_reported, stray.wrongly_late, stray.exact) == (3, 2, False)
+
+
+def test_a_subset_misses_results_but_holds_nothing_duplicate_spurious_or_wrongly_late() -> None:
+    inputs, _, _ = hand_made()
+    late = [np.array([3]), np.array([], np.int64)]
+
+    def report(*produced: np.ndarray, late: list[np.ndarray] = late) -> VerifyReport:
+        return judge(inputs, list(produced), late, window_ms=10, lateness_ms=5, partitions=4)
+
+    some = report(rows((1, 11), (4, 13)))
+    assert (some.missing, some.exact, some.subset) == (1, False, True)
+    assert "a subset of the exact result" in some.describe()
+    assert report(rows((1, 11), (1, 11))).subset is False, "a duplicate"
+    assert report(rows((3, 11))).subset is False, "a late tuple's result is spurious"
+    assert report(rows((1, 11)), late=[np.array([1, 3]), np.array([], np.int64)]).subset is False, (
+        "an on-time tuple dead-lettered loses its results for good"
+    )
+    assert report(rows((1, 11), (2, 12), (4, 13))).subset, "the exact result is a subset of itself"
 
 
 def test_duplicate_input_ids_make_the_report_inexact() -> None:
