@@ -88,6 +88,7 @@ def snapshot_of(
             progress=progress[i],
             state_bytes=sum(v for p, v in state[i].items() if owned.get(p) == i),
             memory_limit_bytes=int(history[i][-1].get("state_budget_bytes", 0)) if history[i] else 0,
+            spilled_bytes=sum(history[i][-1].get("spilled", {}).values()) if history[i] else 0,
         )
         for i in sorted(live)
     )

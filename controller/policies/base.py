@@ -49,6 +49,9 @@ class InstanceStats:
     """Input tuples it joined per second over the statistics interval (for status; no policy reads it)."""
     lag: int | None = None
     """Kafka messages behind the end of its pids' input partitions at its newest batch (for status)."""
+    spilled_bytes: int = 0
+    """Window state it has spilled out of memory and not cleaned up yet, at its newest batch
+    (`pipeline.spill`): Flux's "partitions spilled to disk"."""
 
     @property
     def load(self) -> float:

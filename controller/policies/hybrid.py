@@ -7,8 +7,9 @@ is moved only if sufficient memory exists at the destination site."
 
 Where the paper leaves room, this module chooses as follows:
 
-- "Spilled" is an instance holding more state than its budget: the point at which it spills (no
-  instance spills today; docs/memory.md). Then the round is `FluxMemoryPolicy`'s.
+- "Spilled" is an instance that has spilled state not cleaned up yet (`InstanceStats.spilled_bytes`,
+  docs/memory.md), or holds more state than its budget: the point at which it would spill, where
+  spilling is off. Then the round is `FluxMemoryPolicy`'s.
 - Otherwise the round is `FluxPolicy`'s with the hybrid's parameters, and each of its moves is kept only
   while the receiver's budget still holds the pid's state after the moves kept before it; a receiver that
   reports no budget takes any. A round whose moves are all refused moves nothing and says so.
@@ -25,8 +26,8 @@ from controller.policies.flux_memory import FluxMemoryParams, FluxMemoryPolicy
 
 
 class HybridPolicy:
-    """The memory-constrained round while an instance is over its budget, else load balancing that never
-    pushes a receiver over its budget."""
+    """The memory-constrained round while an instance has spilled state or is over its budget, else load
+    balancing that never pushes a receiver over its budget."""
 
     name = "hybrid"
 
@@ -37,14 +38,14 @@ class HybridPolicy:
         over = [
             s.instance
             for s in snapshot.instances
-            if s.memory_limit_bytes > 0 and s.state_bytes > s.memory_limit_bytes
+            if s.spilled_bytes > 0 or (s.memory_limit_bytes > 0 and s.state_bytes > s.memory_limit_bytes)
         ]
         if over:
             memory = FluxMemoryParams(th_imb=params.th_imb, mode=params.mode)
             decided = FluxMemoryPolicy().decide(snapshot, memory)
             return Decision(
                 decided.moves,
-                f"hybrid, {', '.join(over)} over budget: {decided.reason}",
+                f"hybrid, {', '.join(over)} spilled or over budget: {decided.reason}",
                 decided.next_interval_s,
             )
         decided = FluxPolicy().decide(snapshot, params)

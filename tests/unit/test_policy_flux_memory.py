@@ -4,6 +4,7 @@ biggest pid that narrows a pair's gap, the threshold test, and the hybrid's swit
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from controller.assignment import Assignment, Move
 from controller.policies import (
@@ -87,7 +88,22 @@ def test_hybrid_balances_memory_while_an_instance_is_over_its_budget() -> None:
     )
     decision = HYBRID.decide(snap, FluxParams())
     assert decision.moves == (Move(0, "a", "b"),)
-    assert "a over budget" in decision.reason
+    assert "a spilled or over budget" in decision.reason
+
+
+def test_hybrid_balances_memory_while_an_instance_has_spilled_state_under_its_budget() -> None:
+    # a spilled and is back under its budget; load alone would move from b to a
+    sites = {"a": {0: 500, 1: 300}, "b": {2: 100, 3: 100}}
+    snap = snapshot_of(sites, budgets={"a": 1000, "b": 2000}, busy={"a": 0.1, "b": 0.9})
+    spilled = replace(
+        snap,
+        instances=tuple(replace(s, spilled_bytes=400 if s.instance == "a" else 0) for s in snap.instances),
+    )
+    decision = HYBRID.decide(spilled, FluxParams())
+    assert decision.moves == (Move(0, "a", "b"),), "the memory round, from the instance that spilled"
+    assert "a spilled or over budget" in decision.reason
+    load = HYBRID.decide(snap, FluxParams()).moves
+    assert load and all(m.source == "b" for m in load), "without the spill, load balancing"
 
 
 def test_hybrid_balances_load_but_never_into_a_full_budget() -> None:
