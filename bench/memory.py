@@ -6,7 +6,8 @@ one instance is cut to a share of what its windows hold (`pipeline.control.set_s
 memory: Liu and Rundensteiner's distributed adaptation (`memory`), Flux's memory-constrained round
 (`flux-memory`) and its hybrid (`hybrid`), and with no policy but spilling (`spill`: the least
 productive pids first, Liu and Rundensteiner's choice; `spill-most-productive`: the reverse, for their
-comparison), lazy clean-up, so that it runs once the input has ended, as theirs does. Per variant: how
+comparison), with active clean-up (a spilled pid cleaned up once its old generation has left the window,
+and spilled again if need be) or lazy (once the input has ended, as theirs is). Per variant: how
 long the squeezed instance stays over its budget, the peak of state over budget per instance after the
 squeeze, the pids moved, the results made while the input flowed and in all, the clean-up's work and
 time, and the oracle's counts. An instance that exits fails the run.
@@ -39,9 +40,9 @@ SPILL_THRESHOLD = 0.9
 """The spill variants spill once the windows hold this share of the budget."""
 
 
-def variant_settings(variant: str) -> tuple[str, dict[str, Any]]:
+def variant_settings(variant: str, cleanup: str = "active") -> tuple[str, dict[str, Any]]:
     """The controller's policy of a variant and its instances' config overrides: a spill variant runs
-    the `static` policy with spilling on (lazy clean-up), the others their policy with spilling off."""
+    the `static` policy with spilling on (clean-up `cleanup`), the others their policy with spilling off."""
     if variant == "spill":
         choice = "least-productive"
     elif variant == "spill-most-productive":
@@ -51,7 +52,7 @@ def variant_settings(variant: str) -> tuple[str, dict[str, Any]]:
     spilling = {
         "instance.spill_threshold": SPILL_THRESHOLD,
         "instance.spill_choice": choice,
-        "instance.spill_cleanup": "lazy",
+        "instance.spill_cleanup": cleanup,
     }
     return "static", spilling
 
@@ -239,6 +240,7 @@ def run_memory_bench(
     seconds: float = 120.0,
     variants: Sequence[str] = VARIANTS,
     say: Callable[[str], None] = print,
+    spill_cleanup: str = "active",
 ) -> dict[str, Any]:
     """Each variant in turn on the same cores, in one run."""
     if not 0 < squeeze_to < 1:
@@ -251,12 +253,13 @@ def run_memory_bench(
             "squeeze_at_s": squeeze_at_s,
             "squeeze_to": squeeze_to,
             "seconds": seconds,
+            "spill_cleanup": spill_cleanup,
         }
     }
     with bench_run(cfg, "memory", say) as run:
         for variant in variants:
             name = f"{run.run_id}-{variant}"
-            policy, overrides = variant_settings(variant)
+            policy, overrides = variant_settings(variant, spill_cleanup)
             c = memory_config(cfg, name, rate, seconds, instances, window_s).with_overrides(**overrides)
             summary[variant] = run_variant(
                 c, run.bootstrap, run.work / name, policy, squeeze_at_s, squeeze_to, say

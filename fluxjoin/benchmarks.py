@@ -227,6 +227,9 @@ def bench_memory(
             help="Variants to run: static, spill, spill-most-productive, memory, flux-memory, hybrid."
         ),
     ] = "static,spill,spill-most-productive,memory,flux-memory,hybrid",
+    spill_cleanup: Annotated[
+        str, typer.Option(help="The spill variants' clean-up: active or lazy (docs/memory.md).")
+    ] = "active",
 ) -> None:
     """A memory squeeze: one instance's state budget cut below what its windows hold, with no adaptation,
     spilling alone and each memory policy; per variant the time over budget, the peak fill, moves,
@@ -236,7 +239,16 @@ def bench_memory(
 
     chosen = [v for v in variants.split(",") if v]
     summary = run_memory_bench(
-        shared.cfg, rate, instances, window_s, squeeze_at_s, squeeze_to, seconds, chosen, shared.say
+        shared.cfg,
+        rate,
+        instances,
+        window_s,
+        squeeze_at_s,
+        squeeze_to,
+        seconds,
+        chosen,
+        shared.say,
+        spill_cleanup,
     )
     compact = {
         k: {k2: v2 for k2, v2 in v.items() if k2 != "results_per_5s"} if isinstance(v, dict) else v

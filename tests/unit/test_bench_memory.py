@@ -78,7 +78,8 @@ def test_the_clean_ups_work_and_how_long_after_the_input_it_ended() -> None:
 
 def test_a_spill_variant_runs_no_policy_with_spilling_on() -> None:
     assert variant_settings("hybrid") == ("hybrid", {})
-    policy, overrides = variant_settings("spill-most-productive")
+    policy, overrides = variant_settings("spill-most-productive", "lazy")
     assert policy == "static"
     assert overrides["instance.spill_choice"] == "most-productive"
     assert overrides["instance.spill_threshold"] > 0
+    assert overrides["instance.spill_cleanup"] == "lazy"
