@@ -64,6 +64,10 @@ SAMPLE_EVERY_S = 30.0
 # MIN_BEHIND_S seconds' worth, for triggers of a fraction of a second).
 BEHIND_TRIGGERS = 2
 MIN_BEHIND_S = 2.0
+# A pid's input has paused once its end has not moved for this many trigger intervals, and at least
+# MIN_PAUSE_S seconds: a spilled pid is cleaned up then, and none is spilled.
+PAUSE_TRIGGERS = 4
+MIN_PAUSE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,8 +202,10 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self.spill_requests_path = Path(path) if path else None
         self.spill_cleanup = CleanupWhen(options.get("spill_cleanup", CleanupWhen.ACTIVE.value))
         self._latest: Offsets = {}
-        """The input's end offsets when the batch being planned was sized: a pid with none beyond where
-        the batch begins is idle."""
+        """The input's end offsets when the batch being planned was sized."""
+        self._input_at: dict[str, float] = {}
+        """Per pid, when its input's end last moved (monotonic s): whether its input has paused."""
+        self.pause_s = max(PAUSE_TRIGGERS * trigger_s, MIN_PAUSE_S)
 
     def initialOffset(self) -> dict:
         """Epoch -1 and no pids: the first batch enters the assignment like any later epoch change."""
@@ -282,8 +288,11 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return out
 
     def _idle(self, p: int, begin: Mapping[str, int]) -> bool:
-        """Whether pid `p` has no input beyond `begin`, where the batch being planned begins it."""
-        return all(self._latest.get(s, {}).get(str(p)) == begin[s] for s in self.streams)
+        """Whether pid `p`'s input has paused: nothing beyond `begin`, where the batch being planned
+        begins it, and no new input for `pause_s` (a pid of a real-time input often has no message
+        waiting when a batch is planned, a trigger after the last read it all)."""
+        caught_up = all(self._latest.get(s, {}).get(str(p)) == begin[s] for s in self.streams)
+        return caught_up and time.monotonic() - self._input_at.get(str(p), time.monotonic()) >= self.pause_s
 
     def _cleanup_due(
         self, p: int, spill: Spill, begin: Mapping[str, int], leaving: bool, noted: Mapping[str, Any]
@@ -319,7 +328,12 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         pids = sorted(int(p) for p in begin[self.streams[0]])
         if not pids:
             return begin, {}
-        latest = self._latest = self.facts.offsets(pids, latest=True)
+        latest = self.facts.offsets(pids, latest=True)
+        now = time.monotonic()
+        for p in begin[self.streams[0]]:
+            if any(latest[s].get(p) != self._latest.get(s, {}).get(p) for s in self.streams):
+                self._input_at[p] = now
+        self._latest = latest
         self._arrivals.observe(latest, time.monotonic())
         backlog = sum(latest[s][p] - begin[s][p] for s in latest for p in latest[s])
         if moves_out and self._arrivals.behind(backlog, self.behind_horizon_s):
