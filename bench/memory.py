@@ -58,10 +58,21 @@ def variant_settings(variant: str, cleanup: str = "active") -> tuple[str, dict[s
 
 
 def memory_config(
-    base: Config, pipeline: str, rate: float, seconds: float, instances: int, window_s: float
+    base: Config,
+    pipeline: str,
+    rate: float,
+    seconds: float,
+    instances: int,
+    window_s: float,
+    hot_pids: bool = False,
 ) -> Config:
-    """2-way, P = 32, uniform keys, real time, W = `window_s` (the state an instance holds grows with it),
-    one core's worth of CPU per instance at most."""
+    """2-way, P = 32, real time, W = `window_s` (the state an instance holds grows with it), one core's
+    worth of CPU per instance at most. Keys uniform, or (`hot_pids`) 80% of the tuples on a fixed 20% of
+    the pids, keys uniform within a pid: a hot pid makes more results per byte of window than a cold one,
+    as Liu and Rundensteiner's partition groups differ in productivity."""
+    keys: dict[str, Any] = {"kind": "uniform", "count": max(256, int(rate / 2))}
+    if hot_pids:
+        keys = {"kind": "hot_pids", "count": max(256, int(rate / 2)), "move_every_s": 10 * seconds}
     return base.with_overrides(
         pipeline=pipeline,
         streams=["A", "B"],
@@ -74,7 +85,7 @@ def memory_config(
             "generator.duration_s": seconds,
             "generator.max_tuples": None,
             "generator.rate": {"kind": "constant", "rate": rate / 2},
-            "generator.keys": {"kind": "uniform", "count": max(256, int(rate / 2))},
+            "generator.keys": keys,
             "generator.tuples_per_message": 32,
             "instance.trigger_ms": 1000,
             "instance.spark_master": "local[1]",
@@ -241,6 +252,7 @@ def run_memory_bench(
     variants: Sequence[str] = VARIANTS,
     say: Callable[[str], None] = print,
     spill_cleanup: str = "active",
+    hot_pids: bool = False,
 ) -> dict[str, Any]:
     """Each variant in turn on the same cores, in one run."""
     if not 0 < squeeze_to < 1:
@@ -254,13 +266,15 @@ def run_memory_bench(
             "squeeze_to": squeeze_to,
             "seconds": seconds,
             "spill_cleanup": spill_cleanup,
+            "hot_pids": hot_pids,
         }
     }
     with bench_run(cfg, "memory", say) as run:
         for variant in variants:
             name = f"{run.run_id}-{variant}"
             policy, overrides = variant_settings(variant, spill_cleanup)
-            c = memory_config(cfg, name, rate, seconds, instances, window_s).with_overrides(**overrides)
+            c = memory_config(cfg, name, rate, seconds, instances, window_s, hot_pids)
+            c = c.with_overrides(**overrides)
             summary[variant] = run_variant(
                 c, run.bootstrap, run.work / name, policy, squeeze_at_s, squeeze_to, say
             )

@@ -230,6 +230,10 @@ def bench_memory(
     spill_cleanup: Annotated[
         str, typer.Option(help="The spill variants' clean-up: active or lazy (docs/memory.md).")
     ] = "active",
+    hot_pids: Annotated[
+        bool,
+        typer.Option(help="80% of the tuples on 20% of the pids: pids that differ in productivity."),
+    ] = False,
 ) -> None:
     """A memory squeeze: one instance's state budget cut below what its windows hold, with no adaptation,
     spilling alone and each memory policy; per variant the time over budget, the peak fill, moves,
@@ -249,6 +253,7 @@ def bench_memory(
         chosen,
         shared.say,
         spill_cleanup,
+        hot_pids,
     )
     compact = {
         k: {k2: v2 for k2, v2 in v.items() if k2 != "results_per_5s"} if isinstance(v, dict) else v

@@ -83,3 +83,14 @@ def test_a_spill_variant_runs_no_policy_with_spilling_on() -> None:
     assert overrides["instance.spill_choice"] == "most-productive"
     assert overrides["instance.spill_threshold"] > 0
     assert overrides["instance.spill_cleanup"] == "lazy"
+
+
+def test_hot_pids_give_the_pids_different_productivity_and_keep_their_hot_set() -> None:
+    from bench.memory import memory_config
+    from pipeline.config import load_config
+
+    uniform = memory_config(load_config(), "m", rate=2000, seconds=90, instances=3, window_s=20)
+    hot = memory_config(load_config(), "m", rate=2000, seconds=90, instances=3, window_s=20, hot_pids=True)
+    assert uniform.generator.keys.kind == "uniform"
+    assert hot.generator.keys.kind == "hot_pids"
+    assert hot.generator.keys.move_every_s > 90, "the hot set stays put for the whole input"
