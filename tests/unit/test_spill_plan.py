@@ -1,0 +1,107 @@
+"""The source's plan of spills and clean-ups (`FluxjoinStreamReader._with_spills`), without Kafka or
+Spark: the input's offsets and the sink's requests are set by hand, `replay_from` answers a fixed
+offset. Which pids spill, which stay spilled, and that a pid leaving the instance is always cleaned up."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.instance_files import write_spill_requests
+from pipeline.rows import DROP_ROW, SPILL_ROW
+from pipeline.source import FluxjoinStreamReader
+from pipeline.spill import cleanups_of, spilled_of
+
+STREAMS = ("A", "B")
+
+
+@dataclass
+class Facts:
+    """What the plan asks of the input: where a replay re-reads from (the log's start here)."""
+
+    window_ms: int = 10_000
+    lateness_ms: int = 1_000
+    watermarks_path: Path | None = None
+
+    def replay_from(self, pid: int, cutoff: Mapping[str, int]) -> dict[str, int]:
+        return {s: 0 for s in cutoff}
+
+
+def reader(tmp_path: Path, cleanup: str = "lazy") -> FluxjoinStreamReader:
+    r = FluxjoinStreamReader(
+        {
+            "bootstrap": "unused:9092",
+            "streams": ",".join(STREAMS),
+            "topics": "a,b",
+            "assignment": str(tmp_path / "assignment.json"),
+            "partitions": "8",
+            "tasks": "1",
+            "trigger_ms": "1000",
+            "spill_requests": str(tmp_path / "spill_requests.json"),
+            "spill_cleanup": cleanup,
+        }
+    )
+    r.facts = Facts()  # type: ignore[assignment]
+    return r
+
+
+def offsets(**by_pid: int) -> dict[str, dict[str, int]]:
+    return {s: {p.removeprefix("p"): o for p, o in by_pid.items()} for s in STREAMS}
+
+
+def plan(start: dict[str, Any], end: dict[str, dict[str, int]], **extra: Any) -> dict[str, Any]:
+    return {"epoch": start["epoch"], "tracking": {}, "taken": {}, "offsets": end, **extra}
+
+
+def test_the_pids_asked_for_spill_at_where_the_batch_begins_unless_busy_or_paused(tmp_path: Path) -> None:
+    r = reader(tmp_path)
+    start = {"epoch": 3, "offsets": offsets(p1=100, p2=200, p3=300, p4=400)}
+    r._latest = offsets(p1=150, p2=250, p3=350, p4=400)  # pid 4: nothing waiting
+    for p in ("1", "2", "3", "4"):
+        r._input_at[p] = 0.0  # long ago: pid 4's input has paused
+    write_spill_requests(tmp_path / "spill_requests.json", {1: 5000, 2: 4000, 3: 3000, 4: 2000})
+    released = {"3": {"move_id": "m", "export": True, "announce": False, "cutoff": {"A": 350, "B": 350}}}
+    got = r._with_spills(start, plan(start, offsets(p1=150, p2=250, p4=400), released=released))
+    spilled = spilled_of(got)
+    assert sorted(spilled) == [1, 2], "pid 3 is leaving, pid 4's input has paused"
+    assert spilled[1].cutoff == {"A": 100, "B": 100} and spilled[1].state_bytes == 5000
+    assert sorted(m[0] for m in got["markers"] if m[1] == SPILL_ROW) == [1, 2]
+    assert "cleanups" not in got
+
+
+def test_a_spilled_pid_is_carried_until_it_leaves_and_cleaned_up_in_that_batch(tmp_path: Path) -> None:
+    r = reader(tmp_path)
+    spill = {"cutoff": {"A": 100, "B": 90}, "state_bytes": 5000, "stream_max": [7, 8]}
+    start = {"epoch": 3, "offsets": offsets(p1=160), "spilled": {"1": spill}}
+    r._latest, r._input_at["1"] = offsets(p1=200), 1e12  # input keeps coming
+    carried = r._with_spills(start, plan(start, offsets(p1=200)))
+    assert spilled_of(carried) == spilled_of(start) and "cleanups" not in carried
+    released = {"1": {"move_id": "m", "export": False, "announce": True, "cutoff": {"A": 160, "B": 160}}}
+    leaving = r._with_spills(start, plan(start, offsets(), released=released))
+    assert spilled_of(leaving) == {}
+    cleanup = cleanups_of(leaving)[1]
+    assert (cleanup.replay_from, cleanup.cutoff, cleanup.to) == (
+        {"A": 0, "B": 0},
+        {"A": 100, "B": 90},
+        {"A": 160, "B": 160},
+    ), "the window at the spill point, then the new generation up to where the batch begins"
+    assert (1, DROP_ROW, 0, 0, 0) in leaving["markers"], "the new generation goes first"
+    assert [m for m in leaving["markers"] if m[1] != DROP_ROW] == [(1, -3, 0, 0, 7), (1, -3, 1, 0, 8)]
+
+
+@pytest.mark.parametrize(("cleanup", "paused", "due"), [("lazy", False, False), ("lazy", True, True)])
+def test_lazy_clean_up_waits_for_the_pids_input_to_pause(
+    tmp_path: Path, cleanup: str, paused: bool, due: bool
+) -> None:
+    r = reader(tmp_path, cleanup)
+    spill = {"cutoff": {"A": 100, "B": 100}, "state_bytes": 5000, "stream_max": None}
+    start = {"epoch": 3, "offsets": offsets(p1=160), "spilled": {"1": spill}}
+    r._latest = offsets(p1=160)  # nothing waiting at this plan
+    r._input_at["1"] = 0.0 if paused else 1e12  # its input's end last moved long ago, or just now
+    got = r._with_spills(start, plan(start, offsets(p1=160)))
+    assert (1 in cleanups_of(got)) is due
+    assert (1 in spilled_of(got)) is not due
