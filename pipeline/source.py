@@ -267,7 +267,7 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 carried[p] = spill
                 continue
             replay_from = self.facts.replay_from(p, spill.cutoff)
-            cleanups[p] = Cleanup(replay_from, spill.cutoff, begin, spill.state_bytes)
+            cleanups[p] = Cleanup(replay_from, spill.cutoff, begin)
             markers.append((p, DROP_ROW, 0, 0, 0))  # the new generation: the clean-up rebuilds it whole
             if spill.stream_max is not None:
                 markers.extend((p, WATERMARK_ROW, j, 0, t) for j, t in enumerate(spill.stream_max))

@@ -81,15 +81,9 @@ class Cleanup:
     replay_from: dict[str, int]
     cutoff: dict[str, int]
     to: dict[str, int]
-    state_bytes: int
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "replay_from": self.replay_from,
-            "cutoff": self.cutoff,
-            "to": self.to,
-            "state_bytes": self.state_bytes,
-        }
+        return {"replay_from": self.replay_from, "cutoff": self.cutoff, "to": self.to}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Cleanup:
@@ -97,7 +91,6 @@ class Cleanup:
             replay_from={s: int(o) for s, o in d["replay_from"].items()},
             cutoff={s: int(o) for s, o in d["cutoff"].items()},
             to={s: int(o) for s, o in d["to"].items()},
-            state_bytes=int(d.get("state_bytes", 0)),
         )
 
 
