@@ -27,12 +27,15 @@ app = typer.Typer(
 
 @app.callback()
 def _kafka_security() -> None:
-    """Check the FLUXJOIN_KAFKA_* settings (docs/security.md) before any command makes a Kafka client."""
+    """Check the FLUXJOIN_KAFKA_* and signing settings (docs/security.md) before any command makes a
+    Kafka client."""
     from pipeline.kafka_client import KafkaSecurity, KafkaSecurityError
+    from pipeline.signing import SigningError, check_settings
 
     try:
         KafkaSecurity.from_env()
-    except KafkaSecurityError as exc:
+        check_settings()
+    except (KafkaSecurityError, SigningError) as exc:
         fail(str(exc))
 
 
@@ -45,6 +48,7 @@ app.command()(operations.move)
 app.command()(operations.budget)
 app.command()(operations.topics)
 app.command()(operations.acls)
+app.command()(operations.keys)
 app.command()(operations.status)
 app.command("operator")(run.operator_command)
 app.add_typer(kafka_app, name="kafka")

@@ -5,6 +5,7 @@ a pipeline's verification, moves and state budgets by hand, its topics, ACLs and
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -190,6 +191,12 @@ def topics(config: ConfigOpt = None, set_: SetOpt = None, bootstrap: BootstrapOp
 
 def acls(
     principal: Annotated[str, typer.Option(help="The pipeline's Kafka principal, e.g. User:fluxjoin.")],
+    role: Annotated[
+        str,
+        typer.Option(
+            help="What the principal does: pipeline (every process), controller, instance or generator."
+        ),
+    ] = "pipeline",
     config: ConfigOpt = None,
     set_: SetOpt = None,
     bootstrap: BootstrapOpt = None,
@@ -198,10 +205,12 @@ def acls(
     ] = False,
 ) -> None:
     """The Kafka ACLs a pipeline's principal needs on a cluster with an authorizer; --apply creates them."""
-    from pipeline.acls import create_acls, describe_acl, pipeline_acls
+    from pipeline.acls import ROLES, create_acls, describe_acl, pipeline_acls
 
     cfg = read_config(config, set_, bootstrap)
-    bindings = pipeline_acls(cfg, principal)
+    if role not in ROLES:
+        fail(f"--role {role}: use one of {', '.join(ROLES)}")
+    bindings = pipeline_acls(cfg, principal, role)
     for binding in bindings:
         print(describe_acl(binding))
     if apply:
@@ -211,6 +220,31 @@ def acls(
         except KafkaException as exc:
             fail(f"Kafka at {address}: {_kafka_reason(exc)}", EXIT_UNREACHABLE)
         print(f"created {len(bindings)} ACLs at {address}")
+
+
+def keys(
+    directory: Annotated[
+        Path, typer.Argument(help="Where to write the keys; public/ is the trust directory.")
+    ],
+    names: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Who signs: controller and the instances' names (default: controller, instance-0..N-1)."
+        ),
+    ] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Make signing keys: a private key per writer (`<name>.key`, for its FLUXJOIN_SIGNING_KEY_FILE) and
+    the public keys every process trusts (`public/`, its FLUXJOIN_TRUST_DIR). Existing keys are kept."""
+    from pipeline.control_view import CONTROLLER
+    from pipeline.signing import create_keys
+
+    cfg = read_config(config, set_, None)
+    wanted = names or [CONTROLLER, *(f"instance-{i}" for i in range(cfg.instances))]
+    for path in create_keys(directory, wanted):
+        print(path)
+    print(f"trust directory: {directory / 'public'}")
 
 
 def status(

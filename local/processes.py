@@ -130,10 +130,12 @@ class LocalPipeline:
         policy_params: dict[str, float] | None = None,
         name: str = "controller",
         decisions: Path | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         """Start a controller process as `name` (a second one under another name contends for the log),
         with the config's policy and handoff mode unless `policy` or `mode` say otherwise, recording its
-        rounds' decisions to `decisions` if given (`fluxjoin controller --decisions`)."""
+        rounds' decisions to `decisions` if given (`fluxjoin controller --decisions`). `env` adds to this
+        process's environment for the controller alone (its own credentials and key)."""
         args = ["--heartbeat-timeout", str(heartbeat_timeout_s)]
         args += ["--policy", policy] if policy else []
         args += ["--mode", mode] if mode else []
@@ -141,7 +143,7 @@ class LocalPipeline:
             args += ["--policy-param", f"{key}={value}"]
         if decisions is not None:
             args += ["--decisions", str(decisions)]
-        self._spawn(name, ["controller", *args])
+        self._spawn(name, ["controller", *args], extra_env=env)
 
     def set_cpu_limit(self, name: str, cores: float) -> None:
         """Change the CPU quota of `name`, started under one (`instance.cpu_limit`), while it runs: to

@@ -1,17 +1,21 @@
 """The Kafka ACLs a pipeline's clients need on a cluster whose authorizer is on.
 
-Every fluxjoin process of a pipeline (generator, instances, controller, operator, `fluxjoin verify`)
-logs in as one principal; it needs, and is given, nothing beyond the pipeline's own names:
-- every operation on the topics named `<pipeline>.` and on (created by the first process that
-  needs them, `pipeline.topics.ensure_topics`);
-- every operation on the transactional ids `<pipeline>.` (the instances' sinks, and the controller
-  fencing a dead instance) and `<pipeline>/` (the controller's own, the generator's);
-- reading as the consumer group `fluxjoin-unused`, which every reader names and none joins (offsets
-  are never committed to Kafka; Spark's checkpoints own them).
+The fluxjoin processes of a pipeline log in as one principal (role `pipeline`) or as one per role:
+- the controller (and the operator, `fluxjoin verify`, an administrator): every operation on the
+  topics named `<pipeline>.` (it creates them, `pipeline.topics.ensure_topics`) and on the
+  transactional ids `<pipeline>.` (the instances' sinks, which it fences when one dies) and
+  `<pipeline>/` (its own, the generator's);
+- an instance: reading every topic of the pipeline, writing only the results, dead letters, sink
+  commits, metrics, control acknowledgements and handoff snapshots, and the sinks' transactional ids;
+  never creating, deleting or truncating a topic, writing input, or taking the controller's or the
+  generator's transactional id;
+- the generator: writing (and reading back) the inputs, under its own transactional id;
+- each reads as the consumer group `fluxjoin-unused`, which every reader names and none joins
+  (offsets are never committed to Kafka; Spark's checkpoints own them).
 
-Other pipelines' topics, other groups and the cluster itself stay closed to it. Within the pipeline,
-Kafka cannot tell an instance's writes from the controller's: that needs a principal per role and
-topics per writer (docs/security.md says what is and is not enforced).
+Other pipelines' topics, other groups and the cluster itself stay closed to all of them. Kafka checks
+who may write to a topic, not what a record says: an instance writes to the control and metrics topics,
+so what it may say there is checked by signatures (`pipeline.signing`).
 """
 
 from __future__ import annotations
@@ -25,8 +29,14 @@ if TYPE_CHECKING:
     from confluent_kafka.admin import AclBinding
 
 
-def pipeline_acls(cfg: Config, principal: str) -> list[AclBinding]:
-    """The ACLs (allow, from any host) that let `principal` (e.g. `User:fluxjoin`) run `cfg`'s pipeline."""
+ROLES = ("pipeline", "controller", "instance", "generator")
+"""`pipeline`: one principal for every process. The others split it: each role's principal may do only
+what that role does (decision 0064)."""
+
+
+def pipeline_acls(cfg: Config, principal: str, role: str = "pipeline") -> list[AclBinding]:
+    """The ACLs (allow, from any host) that let `principal` (e.g. `User:fluxjoin`) play `role` in
+    `cfg`'s pipeline (`ROLES`)."""
     from confluent_kafka.admin import (
         AclBinding,
         AclOperation,
@@ -35,15 +45,44 @@ def pipeline_acls(cfg: Config, principal: str) -> list[AclBinding]:
         ResourceType,
     )
 
+    if role not in ROLES:
+        raise ValueError(f"role {role!r}: use one of {', '.join(ROLES)}")
+
     def allow(kind: ResourceType, name: str, pattern: ResourcePatternType, op: AclOperation) -> AclBinding:
         return AclBinding(kind, name, pattern, principal, "*", op, AclPermissionType.ALLOW)
 
     prefixed, literal = ResourcePatternType.PREFIXED, ResourcePatternType.LITERAL
+    topic, txn, op = ResourceType.TOPIC, ResourceType.TRANSACTIONAL_ID, AclOperation
+    group = allow(ResourceType.GROUP, CONSUMER_GROUP, literal, op.READ)
+    if role in ("pipeline", "controller"):  # the controller creates the topics and fences instances
+        return [
+            allow(topic, f"{cfg.pipeline}.", prefixed, op.ALL),
+            allow(txn, f"{cfg.pipeline}.", prefixed, op.ALL),
+            allow(txn, f"{cfg.pipeline}/", prefixed, op.ALL),
+            group,
+        ]
+    looks = [allow(topic, f"{cfg.pipeline}.", prefixed, o) for o in (op.DESCRIBE, op.DESCRIBE_CONFIGS)]
+    if role == "generator":
+        return [
+            *looks,
+            *(allow(topic, t, literal, o) for t in cfg.input_topics for o in (op.READ, op.WRITE)),
+            *(allow(txn, f"{cfg.pipeline}/generator", literal, o) for o in (op.DESCRIBE, op.WRITE)),
+            group,
+        ]
+    writes = (
+        cfg.results_topic,
+        cfg.dead_letter_topic,
+        cfg.sink_commits_topic,
+        cfg.metrics_topic,
+        cfg.control_topic,
+        cfg.handoff_topic,
+    )
     return [
-        allow(ResourceType.TOPIC, f"{cfg.pipeline}.", prefixed, AclOperation.ALL),
-        allow(ResourceType.TRANSACTIONAL_ID, f"{cfg.pipeline}.", prefixed, AclOperation.ALL),
-        allow(ResourceType.TRANSACTIONAL_ID, f"{cfg.pipeline}/", prefixed, AclOperation.ALL),
-        allow(ResourceType.GROUP, CONSUMER_GROUP, literal, AclOperation.READ),
+        *looks,
+        allow(topic, f"{cfg.pipeline}.", prefixed, op.READ),
+        *(allow(topic, t, literal, op.WRITE) for t in writes),
+        *(allow(txn, f"{cfg.pipeline}.", prefixed, o) for o in (op.DESCRIBE, op.WRITE)),
+        group,
     ]
 
 

@@ -25,7 +25,7 @@ from pipeline.control import StuckFetch
 from pipeline.control_view import SnapshotMsg
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.protocol import AssignmentMsg, CommitMarker, ProtocolError
-from pipeline.protocol_codec import decode, marker_from_json
+from pipeline.protocol_codec import decode, marker_author, marker_from_json
 from pipeline.topics import BOUNDED_READ, partition_offsets, read_topic
 
 
@@ -40,7 +40,7 @@ def newest_markers(cfg: Config, bootstrap: str) -> dict[str, CommitMarker]:
     watermark once the transactions below it have ended: read only to the last stable offset, another
     instance's open transaction hides every marker committed after its first message."""
     newest: dict[str, CommitMarker] = {}
-    for _, _, value in read_topic(bootstrap, cfg.sink_commits_topic, settled=True):
+    for _, _, value in read_topic(bootstrap, cfg.sink_commits_topic, settled=True, signed_by=marker_author):
         marker = marker_from_json(json.loads(value))
         newest[marker.instance] = marker
     return newest

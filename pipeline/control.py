@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config
-from pipeline.control_view import ControlView, Fold, Message, SnapshotMsg
+from pipeline.control_view import ControlView, Fold, Message, SnapshotMsg, author_of
 from pipeline.instance_files import owned_pids, read_assignment, write_assignment
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.protocol import AssignmentMsg, BudgetMsg, ProtocolError
 from pipeline.protocol_codec import decode, encode
+from pipeline.signing import may_say, sign
 from pipeline.topics import broker_away, watermark_offsets
 
 log = logging.getLogger(__name__)
@@ -206,10 +207,13 @@ class ControlLog:
                 self._skipped |= error.code() == KafkaError._AUTO_OFFSET_RESET
                 continue
             self._next = (msg.offset() or 0) + 1
+            value = msg.value() or b""
             try:
-                decoded = decode(msg.value() or b"")
+                decoded = decode(value)
             except ProtocolError as exc:
                 log.warning("ignoring control message at offset %s: %s", msg.offset(), exc)
+                continue
+            if not may_say(author_of(decoded), self.topic, value, msg.headers()):
                 continue
             if isinstance(decoded, SnapshotMsg):
                 self._since_snapshot = 0
@@ -237,8 +241,10 @@ class ControlLog:
 
 
 def publish(producer: Any, topic: str, msg: Message) -> None:
-    """Produce one control message (the caller flushes or commits its transaction)."""
-    producer.produce(topic, value=encode(msg), key=type(msg).__name__)
+    """Produce one control message, signed when this process has a key (the caller flushes or commits
+    its transaction)."""
+    value = encode(msg)
+    producer.produce(topic, value=value, key=type(msg).__name__, headers=sign(topic, value))
 
 
 def set_state_budget(cfg: Config, bootstrap: str, instance: str, state_budget_bytes: int) -> None:
@@ -284,6 +290,9 @@ class InstanceFollower:
         self._beat_lock = threading.Lock()  # an eviction read and a heartbeat never cross
         self._epoch_read = -1
         """The newest epoch read and found not to evict this incarnation: what a heartbeat names."""
+        self._beats = 0
+        """Heartbeats sent by this incarnation: each carries its number, so a copy of one appended
+        again is told from a new one (`pipeline.signing.fresh`)."""
         self.broker_away = ""
         """Why the control log cannot be read now because the broker is away ("" while it can)."""
         self.serving = False
@@ -342,7 +351,11 @@ class InstanceFollower:
             }
             if self.progress and self.stalled_s is not None:
                 beat["stalled_ms"] = int(self.stalled_s() * 1000)
-            self._producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(beat))
+            self._beats += 1
+            beat["seq"] = self._beats
+            value = json.dumps(beat).encode()
+            topic = self.cfg.metrics_topic
+            self._producer.produce(topic, key=self.instance, value=value, headers=sign(topic, value))
         self._producer.poll(0)
 
     def start(self) -> None:

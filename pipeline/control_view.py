@@ -98,6 +98,17 @@ Message = AssignmentMsg | ReleasedMsg | AcquiredMsg | TrackDoneMsg | MoveRequest
 
 Ack = ReleasedMsg | AcquiredMsg | TrackDoneMsg
 
+CONTROLLER = "controller"
+"""The writer of assignments, snapshots, move requests and budgets (`pipeline.signing.CONTROLLER`)."""
+
+
+def author_of(msg: Message) -> str:
+    """The one writer that may publish `msg`: the instance an acknowledgement speaks for, else the
+    controller (decision 0064)."""
+    if isinstance(msg, ReleasedMsg | AcquiredMsg | TrackDoneMsg):
+        return msg.instance
+    return CONTROLLER
+
 
 class Fold:
     """The control log folded in place: each message costs the same however long the log, and the state

@@ -20,7 +20,7 @@ from typing import Any
 from pipeline.batch_sizing import Offsets
 from pipeline.instance_files import read_watermarks, stream_max_at
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
-from pipeline.protocol_codec import marker_from_json
+from pipeline.protocol_codec import marker_author, marker_from_json
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class KafkaInputFacts:
         from pipeline.topics import read_topic
 
         pids: frozenset[int] = frozenset()
-        for _, _, value in read_topic(self.bootstrap, commits_topic):
+        for _, _, value in read_topic(self.bootstrap, commits_topic, signed_by=marker_author):
             marker = marker_from_json(json.loads(value))
             if marker.instance == self.instance:
                 pids = marker.pids()

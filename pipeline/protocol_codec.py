@@ -265,3 +265,8 @@ def marker_from_json(d: dict[str, Any]) -> CommitMarker:
         time_ms=int(d["time_ms"]),
         spilled={int(p): {s: int(o) for s, o in c.items()} for p, c in d.get("spilled", {}).items()},
     )
+
+
+def marker_author(value: bytes) -> str:
+    """The instance a commit marker's record speaks for: the one writer that may write it (decision 0064)."""
+    return str(json.loads(value)["instance"])

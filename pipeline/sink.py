@@ -38,7 +38,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from pipeline.kafka_client import kafka_config
 from pipeline.operator import KIND_LATE, KIND_MALFORMED, KIND_RESULT, KIND_WATERMARK
 from pipeline.protocol import CommitMarker, eviction_entries
 from pipeline.protocol_codec import marker_to_json
+from pipeline.signing import sign
 from pipeline.spill import SpillChoice, choose_spills, spilled_of
 from pipeline.topics import broker_away, partition_offsets
 
@@ -366,10 +367,9 @@ class ExactlyOnceSink:
             time_ms=int(time.time() * 1000),
             spilled={p: spill.cutoff for p, spill in spilled_of(offsets).items()},
         )
-        value = json.dumps(marker_to_json(marker))
-        self.producer.produce(self.cfg.sink_commits_topic, key=self.instance, value=value)
+        self._produce_signed(self.cfg.sink_commits_topic, marker_to_json(marker))
         metrics = self._metrics(batch_id, offsets, columns, kind, started, results, late, malformed, ready)
-        self.producer.produce(self.cfg.metrics_topic, key=self.instance, value=json.dumps(metrics))
+        self._produce_signed(self.cfg.metrics_topic, metrics)
         evicted_in = self._evicted_in(offsets)
         if evicted_in is not None:
             self._retrying(self.producer.abort_transaction)
@@ -415,6 +415,11 @@ class ExactlyOnceSink:
         elsewhere)."""
         newest = self.evictions.catch_up()
         return newest if newest is not None and newest > offsets["epoch"] else None
+
+    def _produce_signed(self, topic: str, record: Mapping[str, Any]) -> None:
+        """One record of this batch's transaction, under the instance's key and signed when it has one."""
+        value = json.dumps(record).encode()
+        self.producer.produce(topic, key=self.instance, value=value, headers=sign(topic, value))
 
     def _metrics(
         self,

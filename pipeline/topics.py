@@ -25,6 +25,7 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from pipeline.config import Config
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
+from pipeline.signing import may_say
 
 # Seconds to wait for the broker to answer.
 DEFAULT_TIMEOUT_S = 10.0
@@ -306,17 +307,27 @@ def _await_visible(admin: AdminClient, bootstrap: str, specs: list[TopicSpec], t
 
 
 def read_topic(
-    bootstrap: str, topic: str, timeout_s: float = 120.0, settled: bool = False
+    bootstrap: str,
+    topic: str,
+    timeout_s: float = 120.0,
+    settled: bool = False,
+    signed_by: Callable[[bytes], str] | None = None,
 ) -> Iterator[tuple[int, int, bytes]]:
     """Every committed message of `topic` up to its current end that has a value: (partition, offset,
-    value). A tombstone carries nothing for the readers of fluxjoin's own topics."""
-    for partition, offset, value in read_records(bootstrap, topic, timeout_s, settled):
+    value). A tombstone carries nothing for the readers of fluxjoin's own topics. `signed_by` names
+    the one writer that may have written a value: a record it did not sign is left out while
+    signatures are checked (`pipeline.signing.may_say`)."""
+    for partition, offset, value in read_records(bootstrap, topic, timeout_s, settled, signed_by):
         if value is not None:
             yield partition, offset, value
 
 
 def read_records(
-    bootstrap: str, topic: str, timeout_s: float = 120.0, settled: bool = False
+    bootstrap: str,
+    topic: str,
+    timeout_s: float = 120.0,
+    settled: bool = False,
+    signed_by: Callable[[bytes], str] | None = None,
 ) -> Iterator[tuple[int, int, bytes | None]]:
     """Every committed message of `topic` up to its current end, tombstones (None) included.
 
@@ -370,7 +381,13 @@ def read_records(
                 progress, away.announced = time.monotonic(), False
                 if offset >= ends[partition] - 1:
                     pending.discard(partition)
-                if offset < ends[partition]:
+                if offset >= ends[partition]:
+                    continue
+                if (
+                    signed_by is None
+                    or value is None
+                    or may_say(signed_by(value), topic, value, msg.headers())
+                ):
                     yield partition, offset, value
             if pending and time.monotonic() - progress > timeout_s:
                 if not broker_answers(consumer, TopicPartition(topic, min(pending))):

@@ -21,6 +21,7 @@ from controller.observation.liveness import (
 )
 from pipeline.config import Config
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
+from pipeline.signing import fresh, may_say
 
 HEARING_CHECK_S = 1.0
 HEARING_TIMEOUT_S = 2.0
@@ -85,6 +86,9 @@ class Observer:
         self.batches: list[dict[str, Any]] = []
         self.readings: list[dict[str, Any]] = []  # what batches in flight have read (`report_reading`)
         self.empty_s: dict[str, float] = {}  # instance -> its shortest batch that read nothing, ever
+        self._beat_seq: dict[
+            tuple[str, str], int
+        ] = {}  # (instance, incarnation) -> its newest heartbeat's number
         # read_uncommitted: heartbeats are not transactional, and a dead instance's open transaction on
         # this topic must not hide the others' heartbeats (load figures from aborted batches are harmless).
         self._consumer = Consumer(
@@ -131,7 +135,12 @@ class Observer:
         for msg in self._consumer.consume(num_messages=10_000, timeout=wait_s):
             if msg.error() is not None or msg.value() is None:
                 continue
-            record = json.loads(msg.value() or b"{}")
+            value = msg.value() or b"{}"
+            record = json.loads(value)
+            if not may_say(str(record.get("instance")), self._metrics.topic, value, msg.headers()):
+                continue
+            if record.get("kind") == "heartbeat" and not self._fresh(record):
+                continue
             stalled = query_stalled_s(record)  # before `time_ms` is the broker's
             record["time_ms"] = appended_ms(msg.timestamp()) or record.get("time_ms", now_ms)
             age_s = max(0.0, (now_ms - record["time_ms"]) / 1000)
@@ -160,6 +169,17 @@ class Observer:
             self.batches = [b for b in self.batches if b["time_ms"] >= cutoff]
         if self.readings and self.readings[0]["time_ms"] < cutoff:
             self.readings = [r for r in self.readings if r["time_ms"] >= cutoff]
+
+    def _fresh(self, beat: dict[str, Any]) -> bool:
+        """Whether a heartbeat is newer than the last one taken from its incarnation: a copy appended
+        again (a replay, which keeps its valid signature) is not."""
+        key, seq = (beat["instance"], beat["incarnation"]), beat.get("seq")
+        if seq is None:  # a version before decision 0064 numbers none
+            return True
+        if not fresh(int(seq), self._beat_seq.get(key)):
+            return False
+        self._beat_seq[key] = int(seq)
+        return True
 
     def expect(self, instances: Iterable[str]) -> None:
         """Count these instances as heard from at this observer's start, never as live: one that never

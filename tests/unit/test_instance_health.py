@@ -135,7 +135,7 @@ class _Sent:
     def __init__(self) -> None:
         self.values: list[dict[str, Any]] = []
 
-    def produce(self, topic: str, key: str, value: str) -> None:
+    def produce(self, topic: str, key: str, value: bytes, headers: object = None) -> None:
         self.values.append(json.loads(value))
 
     def poll(self, timeout: float) -> int:
