@@ -223,28 +223,24 @@ def acls(
 
 
 def keys(
-    directory: Annotated[
-        Path, typer.Argument(help="Where to write the keys; public/ is the trust directory.")
-    ],
+    directory: Annotated[Path, typer.Argument(help="Where the keys go (and where controller.key is kept).")],
     names: Annotated[
         list[str] | None,
-        typer.Argument(
-            help="Who signs: controller and the instances' names (default: controller, instance-0..N-1)."
-        ),
+        typer.Argument(help="The writers to issue keys to (default: the instances instance-0..N-1)."),
     ] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Make signing keys: a private key per writer (`<name>.key`, for its FLUXJOIN_SIGNING_KEY_FILE) and
-    the public keys every process trusts (`public/`, its FLUXJOIN_TRUST_DIR). Existing keys are kept."""
-    from pipeline.control_view import CONTROLLER
-    from pipeline.signing import create_keys
+    """Make signing keys: the controller's (`controller.key`; `controller.pub` is what every process
+    trusts) and a key with a certificate for the pipeline per writer (`<name>.key`, `<name>.cert`).
+    Existing keys are kept; run it again to add an instance."""
+    from pipeline.signing import KEY_ENV, TRUST_ENV, create_keys
 
     cfg = read_config(config, set_, None)
-    wanted = names or [CONTROLLER, *(f"instance-{i}" for i in range(cfg.instances))]
-    for path in create_keys(directory, wanted):
-        print(path)
-    print(f"trust directory: {directory / 'public'}")
+    wanted = names or [f"instance-{i}" for i in range(cfg.instances)]
+    for path in create_keys(directory, cfg.pipeline, wanted):
+        print(f"{KEY_ENV}={path}")
+    print(f"{TRUST_ENV}={directory / 'controller.pub'}")
 
 
 def status(

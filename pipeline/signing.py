@@ -5,17 +5,21 @@ write to `<pipeline>.control` (their `Released`, `Acquired`, `TrackDone`) and to
 (their heartbeats and batch records), so Kafka alone cannot stop an instance from publishing an
 assignment or another instance's heartbeat. Signatures can (decision 0064):
 
-- every writer signs what it writes with its own key: the controller (and an administrator's `fluxjoin
-  move` or `budget`) as `controller`, each instance (its process and its Spark workers) under its name;
-- every reader, once trust is on, takes a record only when it is signed by the one writer that may
-  say it (`may_say`): assignments, snapshots, move requests and budgets by the controller, an
-  instance's acknowledgements, heartbeats and batch records by that instance. Anything else is
-  dropped with a warning.
+- the controller (the operator, an administrator's `fluxjoin move` or `budget`) signs with the
+  controller's key; every other writer with a key of its own, for which the controller's key has
+  issued a certificate naming the writer and its pipeline (`fluxjoin keys`, or the operator for its
+  instance pods). A record carries the writer's name, its signature and its certificate;
+- every reader, once it trusts a controller key, takes a record only when it is signed by the one
+  writer that may say it (`may_say`): assignments, snapshots, move requests and budgets by the
+  controller, an instance's acknowledgements, heartbeats, batch records and commit markers by that
+  instance. Anything else is dropped with a warning. A reader needs the controller's public key and
+  nothing else: an instance added later (a scale-up) is trusted by its certificate.
 
 The settings come from the environment, like the Kafka credentials (`pipeline.kafka_client`), because
 every process and every Spark worker inherits it:
-- `FLUXJOIN_SIGNING_KEY_FILE`: this process's private key (PEM, as `fluxjoin keys` writes it);
-- `FLUXJOIN_TRUST_DIR`: the public keys, `<name>.pub` per writer. Set, it turns checking on.
+- `FLUXJOIN_SIGNING_KEY_FILE`: this process's private key (PEM), its certificate beside it
+  (`<name>.cert` for `<name>.key`);
+- `FLUXJOIN_CONTROLLER_PUBLIC_KEY_FILE`: the controller's public key (PEM). Set, it turns checking on.
 
 The signature covers the topic, the writer's name and the record's value, so a record cannot be moved
 to another topic or pipeline, or claimed by another writer. A copy of a signed record appended again
@@ -25,7 +29,9 @@ the controller drops a heartbeat not newer than the last one it took of its inca
 
 from __future__ import annotations
 
+import base64
 import functools
+import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -37,12 +43,15 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from pipeline.control_view import CONTROLLER
+
 log = logging.getLogger(__name__)
 
 SIGNER_HEADER = "fluxjoin-signer"
 SIGNATURE_HEADER = "fluxjoin-signature"
+CERTIFICATE_HEADER = "fluxjoin-certificate"
 KEY_ENV = "FLUXJOIN_SIGNING_KEY_FILE"
-TRUST_ENV = "FLUXJOIN_TRUST_DIR"
+TRUST_ENV = "FLUXJOIN_CONTROLLER_PUBLIC_KEY_FILE"
 
 Headers = list[tuple[str, str | bytes | None]]
 
@@ -51,54 +60,135 @@ class SigningError(ValueError):
     """The signing settings in the environment are incomplete or contradict each other."""
 
 
+def raw_public(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
+    public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def private_pem(key: Ed25519PrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def public_pem(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
+    public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    return public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def read_private(path: Path) -> Ed25519PrivateKey:
+    loaded = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    if not isinstance(loaded, Ed25519PrivateKey):
+        raise SigningError(f"{path}: not an Ed25519 private key (make one with `fluxjoin keys`)")
+    return loaded
+
+
+def read_public(path: Path) -> Ed25519PublicKey:
+    loaded = serialization.load_pem_public_key(path.read_bytes())
+    if not isinstance(loaded, Ed25519PublicKey):
+        raise SigningError(f"{path}: not an Ed25519 public key")
+    return loaded
+
+
 def _signed_bytes(topic: str, name: str, value: bytes) -> bytes:
     return b"\0".join((topic.encode(), name.encode(), value))
 
 
 @dataclass(frozen=True, slots=True)
+class Certificate:
+    """The controller's word that `key` (raw Ed25519 public key) is the writer `name` of `pipeline`."""
+
+    pipeline: str
+    name: str
+    key: bytes
+    signature: bytes
+
+    @staticmethod
+    def signed_part(pipeline: str, name: str, key: bytes) -> bytes:
+        return b"\0".join((b"fluxjoin-certificate", pipeline.encode(), name.encode(), key))
+
+    @classmethod
+    def issue(cls, controller: Ed25519PrivateKey, pipeline: str, name: str, key: bytes) -> Certificate:
+        return cls(pipeline, name, key, controller.sign(cls.signed_part(pipeline, name, key)))
+
+    def to_bytes(self) -> bytes:
+        encoded = {"pipeline": self.pipeline, "name": self.name}
+        encoded |= {
+            "key": base64.b64encode(self.key).decode(),
+            "signature": base64.b64encode(self.signature).decode(),
+        }
+        return json.dumps(encoded).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Certificate | None:
+        """The certificate in `raw`, or None when it is not one."""
+        try:
+            d = json.loads(raw)
+            return cls(
+                str(d["pipeline"]),
+                str(d["name"]),
+                base64.b64decode(d["key"]),
+                base64.b64decode(d["signature"]),
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+@dataclass(frozen=True, slots=True)
 class Signer:
-    """This process's key and the name its public key has in the trust directory."""
+    """This process's key, the name it signs as, and (unless it is the controller) its certificate."""
 
     name: str
     key: Ed25519PrivateKey
+    certificate: bytes | None = None
 
     def headers(self, topic: str, value: bytes) -> Headers:
         signature = self.key.sign(_signed_bytes(topic, self.name, value))
-        return [(SIGNER_HEADER, self.name.encode()), (SIGNATURE_HEADER, signature)]
+        signed: Headers = [(SIGNER_HEADER, self.name.encode()), (SIGNATURE_HEADER, signature)]
+        return signed + ([(CERTIFICATE_HEADER, self.certificate)] if self.certificate is not None else [])
 
 
 class Trust:
-    """The writers' public keys, `<directory>/<name>.pub`. A name whose key is missing is looked up
-    again at its next record, so an instance added later (a scale-up) is trusted once its key is there."""
+    """A controller's public key: it signs as the controller, and vouches for every other writer."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._keys: dict[str, Ed25519PublicKey] = {}
+    def __init__(self, controller: Ed25519PublicKey) -> None:
+        self.controller = controller
+        self._checked: dict[bytes, Certificate | None] = {}  # a certificate's bytes -> it, if valid
 
-    def key(self, name: str) -> Ed25519PublicKey | None:
-        if name not in self._keys:
-            path = self.directory / f"{name}.pub"
-            if "/" in name or not path.is_file():
-                return None
-            loaded = serialization.load_pem_public_key(path.read_bytes())
-            if not isinstance(loaded, Ed25519PublicKey):
-                raise SigningError(f"{path}: not an Ed25519 public key")
-            self._keys[name] = loaded
-        return self._keys[name]
+    def certificate(self, raw: bytes) -> Certificate | None:
+        """The certificate `raw` holds if this controller key issued it, else None."""
+        if raw not in self._checked:
+            cert = Certificate.from_bytes(raw)
+            if cert is not None:
+                try:
+                    self.controller.verify(
+                        cert.signature, Certificate.signed_part(cert.pipeline, cert.name, cert.key)
+                    )
+                except InvalidSignature:
+                    cert = None
+            if len(self._checked) > 10_000:
+                self._checked.clear()
+            self._checked[raw] = cert
+        return self._checked[raw]
 
     def signer(
         self, topic: str, value: bytes, headers: Sequence[tuple[str, bytes | str | None]] | None
     ) -> str | None:
         """The name of the writer whose valid signature `headers` carry for `value` on `topic`; None
-        when they carry none, name a writer without a key, or the signature does not check out."""
+        when they carry none, or a certificate this controller did not issue for that writer and the
+        topic's pipeline, or the signature does not check out."""
         found = {k: v for k, v in headers or () if isinstance(v, bytes)}
         name_bytes, signature = found.get(SIGNER_HEADER), found.get(SIGNATURE_HEADER)
         if name_bytes is None or signature is None:
             return None
         name = name_bytes.decode(errors="replace")
-        key = self.key(name)
-        if key is None:
-            return None
+        if name == CONTROLLER:
+            key = self.controller
+        else:
+            cert = self.certificate(found.get(CERTIFICATE_HEADER) or b"")
+            if cert is None or cert.name != name or not topic.startswith(f"{cert.pipeline}."):
+                return None
+            key = Ed25519PublicKey.from_public_bytes(cert.key)
         try:
             key.verify(signature, _signed_bytes(topic, name, value))
         except InvalidSignature:
@@ -106,62 +196,66 @@ class Trust:
         return name
 
 
-def create_keys(directory: Path, names: Iterable[str]) -> list[Path]:
-    """A key pair per name: `<name>.key` (private, mode 0600) and `public/<name>.pub` (the trust
-    directory). An existing pair is kept. Returns the private keys' paths."""
-    public = directory / "public"
-    public.mkdir(parents=True, exist_ok=True)
-    written = []
+def _write_private(path: Path, key: Ed25519PrivateKey) -> None:
+    path.touch(mode=0o600)
+    path.write_bytes(private_pem(key))
+
+
+def create_keys(directory: Path, pipeline: str, names: Iterable[str]) -> list[Path]:
+    """The controller's key pair (`controller.key`, mode 0600, and `controller.pub`, the key every
+    process trusts) unless it exists, and for every other name a key (`<name>.key`) with a certificate
+    for `pipeline` (`<name>.cert`), issued by the controller's key. Existing keys are kept, their
+    certificates issued again. Returns the private keys' paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    controller_key = directory / f"{CONTROLLER}.key"
+    if not controller_key.exists():
+        _write_private(controller_key, Ed25519PrivateKey.generate())
+    controller = read_private(controller_key)
+    (directory / f"{CONTROLLER}.pub").write_bytes(public_pem(controller))
+    written = [controller_key]
     for name in names:
-        private, pub = directory / f"{name}.key", public / f"{name}.pub"
+        if name == CONTROLLER:
+            continue
+        if "/" in name or not name:
+            raise SigningError(f"{name!r} is not a writer's name")
+        private = directory / f"{name}.key"
         if not private.exists():
-            key = Ed25519PrivateKey.generate()
-            private.touch(mode=0o600)
-            private.write_bytes(
-                key.private_bytes(
-                    serialization.Encoding.PEM,
-                    serialization.PrivateFormat.PKCS8,
-                    serialization.NoEncryption(),
-                )
-            )
-            pub.write_bytes(
-                key.public_key().public_bytes(
-                    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-                )
-            )
+            _write_private(private, Ed25519PrivateKey.generate())
+        cert = Certificate.issue(controller, pipeline, name, raw_public(read_private(private)))
+        private.with_suffix(".cert").write_bytes(cert.to_bytes())
         written.append(private)
     return written
 
 
 def load_signer(key_file: Path, trust: Trust) -> Signer:
-    """The signer of `key_file`, named by the trust directory's public key that matches it."""
-    loaded = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
-    if not isinstance(loaded, Ed25519PrivateKey):
+    """The signer of `key_file`: the controller if it is the trusted key's pair, else the writer its
+    certificate (beside it) names, once the certificate checks out against the trusted key."""
+    key = read_private(key_file)
+    if raw_public(key) == raw_public(trust.controller):
+        return Signer(CONTROLLER, key)
+    cert_file = key_file.with_suffix(".cert")
+    if not cert_file.is_file():
         raise SigningError(
-            f"{KEY_ENV}={key_file}: not an Ed25519 private key (make one with `fluxjoin keys`)"
+            f"{KEY_ENV}={key_file}: no certificate {cert_file} beside it (`fluxjoin keys` makes one)"
         )
-    raw = loaded.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    for pub in sorted(trust.directory.glob("*.pub")):
-        key = trust.key(pub.stem)
-        if (
-            key is not None
-            and key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw) == raw
-        ):
-            return Signer(pub.stem, loaded)
-    raise SigningError(f"{KEY_ENV}={key_file}: its public key is not in {TRUST_ENV}={trust.directory}")
+    raw = cert_file.read_bytes()
+    cert = trust.certificate(raw)
+    if cert is None or cert.key != raw_public(key):
+        raise SigningError(f"{cert_file}: not a certificate of this key issued by the key in {TRUST_ENV}")
+    return Signer(cert.name, key, raw)
 
 
 @functools.cache
 def trust() -> Trust | None:
-    """This process's trust directory, or None: checking is off."""
-    directory = os.environ.get(TRUST_ENV)
-    if not directory:
+    """The controller key this process trusts, or None: checking is off."""
+    path = os.environ.get(TRUST_ENV)
+    if not path:
         if os.environ.get(KEY_ENV):
             raise SigningError(f"{KEY_ENV} is set but {TRUST_ENV} is not: set both, or neither")
         return None
-    if not Path(directory).is_dir():
-        raise SigningError(f"{TRUST_ENV}={directory}: no such directory")
-    return Trust(Path(directory))
+    if not Path(path).is_file():
+        raise SigningError(f"{TRUST_ENV}={path}: no such file")
+    return Trust(read_public(Path(path)))
 
 
 @functools.cache

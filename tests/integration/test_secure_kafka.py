@@ -35,12 +35,12 @@ from pipeline import signing
 from pipeline.acls import create_acls, pipeline_acls
 from pipeline.config import Config
 from pipeline.control import ControlLog
-from pipeline.control_view import CONTROLLER, ControlView
+from pipeline.control_view import ControlView
 from pipeline.kafka_client import kafka_config
 from pipeline.oracle import verify_pipeline
 from pipeline.protocol import AssignmentMsg, Mode
 from pipeline.protocol_codec import encode
-from pipeline.signing import create_keys, load_signer
+from pipeline.signing import create_keys, load_signer, read_public
 from pipeline.topics import read_topic
 from tests.integration.test_pipeline import small_config
 
@@ -201,8 +201,8 @@ def test_an_instance_cannot_assign_pids_or_heartbeat_for_another_instance(
         for future in admin.create_acls(pipeline_acls(cfg, f"User:{user}", role)).values():
             future.result()
     keys = tmp_path / "keys"
-    create_keys(keys, [CONTROLLER, "instance-0", "instance-1"])
-    trust = {signing.TRUST_ENV: str(keys / "public")}
+    create_keys(keys, cfg.pipeline, ["instance-0", "instance-1"])
+    trust = {signing.TRUST_ENV: str(keys / "controller.pub")}
     role_env = {role: _credentials(secured, user, tmp_path) | trust for role, user in ROLE_USERS.items()}
     controller_env = role_env["controller"] | {signing.KEY_ENV: str(keys / "controller.key")}
 
@@ -226,7 +226,7 @@ def test_an_instance_cannot_assign_pids_or_heartbeat_for_another_instance(
         request_moves(pipeline.cfg, bootstrap, [0], "instance-1", Mode.TRANSFER, wait_s=120)
         view = watch.until(acquired_by("instance-1", 0), 120, "pid 0 moved onto instance-1")
         assert view.assignment is not None
-        forger_key = load_signer(keys / "instance-0.key", signing.Trust(keys / "public"))
+        forger_key = load_signer(keys / "instance-0.key", signing.Trust(read_public(keys / "controller.pub")))
 
         # Heartbeats for instance-1, which is dead: signed with instance-0's key, and unsigned.
         incarnation, epoch = _incarnation(cfg, bootstrap, "instance-1"), view.assignment.epoch

@@ -6,25 +6,40 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline import signing
 from pipeline.acls import pipeline_acls
 from pipeline.config import Config
 from pipeline.control_view import CONTROLLER, author_of
 from pipeline.protocol import AcquiredMsg, AssignmentMsg, BudgetMsg, Mode, MoveRequestMsg, ReleasedMsg
-from pipeline.signing import SigningError, Trust, create_keys, fresh, load_signer
+from pipeline.signing import (
+    Certificate,
+    Signer,
+    SigningError,
+    Trust,
+    create_keys,
+    fresh,
+    load_signer,
+    raw_public,
+    read_public,
+)
 
 
 @pytest.fixture
 def keys(tmp_path: Path) -> Path:
-    create_keys(tmp_path, [CONTROLLER, "instance-0", "instance-1"])
+    create_keys(tmp_path, "demo", ["instance-0", "instance-1"])
     return tmp_path
+
+
+def _trust(keys: Path) -> Trust:
+    return Trust(read_public(keys / "controller.pub"))
 
 
 @pytest.fixture
 def checking(keys: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """This process trusts `keys/public` and signs as instance-0."""
-    monkeypatch.setenv(signing.TRUST_ENV, str(keys / "public"))
+    """This process trusts `keys`' controller and signs as instance-0."""
+    monkeypatch.setenv(signing.TRUST_ENV, str(keys / "controller.pub"))
     monkeypatch.setenv(signing.KEY_ENV, str(keys / "instance-0.key"))
     signing.trust.cache_clear()
     signing.signer.cache_clear()
@@ -33,42 +48,50 @@ def checking(keys: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     signing.signer.cache_clear()
 
 
-def test_a_signers_name_is_the_trusted_public_key_that_matches_its_private_key(keys: Path) -> None:
-    trust = Trust(keys / "public")
+def test_a_signer_is_named_by_its_certificate_and_the_controller_by_the_trusted_key(keys: Path) -> None:
+    trust = _trust(keys)
     assert load_signer(keys / "instance-1.key", trust).name == "instance-1"
+    assert load_signer(keys / "controller.key", trust).name == CONTROLLER
     assert oct((keys / "instance-1.key").stat().st_mode & 0o777) == "0o600"
-    stranger = keys / "stranger"
-    create_keys(stranger, ["instance-0"])  # a key of the same name, not the trusted one
-    with pytest.raises(SigningError, match="not in FLUXJOIN_TRUST_DIR"):
-        load_signer(stranger / "instance-0.key", trust)
+    other = keys / "other"
+    create_keys(other, "demo", ["instance-0"])  # a certificate from another controller key
+    with pytest.raises(SigningError, match="not a certificate of this key"):
+        load_signer(other / "instance-0.key", trust)
+    (keys / "instance-1.cert").write_bytes((keys / "instance-0.cert").read_bytes())  # another key's
+    with pytest.raises(SigningError, match="not a certificate of this key"):
+        load_signer(keys / "instance-1.key", trust)
+    (keys / "instance-1.cert").unlink()
+    with pytest.raises(SigningError, match="no certificate"):
+        load_signer(keys / "instance-1.key", trust)
 
 
 def test_a_signature_binds_the_writer_the_topic_and_the_value(keys: Path) -> None:
-    trust = Trust(keys / "public")
+    trust = _trust(keys)
     signer = load_signer(keys / "instance-0.key", trust)
     value = b'{"kind": "heartbeat", "instance": "instance-0"}'
     headers = signer.headers("demo.metrics", value)
     assert trust.signer("demo.metrics", value, headers) == "instance-0"
     assert trust.signer("demo.metrics", value + b" ", headers) is None, "a changed value"
-    assert trust.signer("other.metrics", value, headers) is None, "moved to another topic"
-    claimed = [(signing.SIGNER_HEADER, b"instance-1"), headers[1]]
+    assert trust.signer("demo.control", value, headers) is None, "moved to another topic"
+    assert trust.signer("other.metrics", value, signer.headers("other.metrics", value)) is None, (
+        "another pipeline: the certificate is for demo"
+    )
+    claimed = [(signing.SIGNER_HEADER, b"instance-1"), *headers[1:]]
     assert trust.signer("demo.metrics", value, claimed) is None, "claimed by another writer"
+    as_controller = [(signing.SIGNER_HEADER, CONTROLLER.encode()), *headers[1:]]
+    assert trust.signer("demo.metrics", value, as_controller) is None, "claimed by the controller"
     assert trust.signer("demo.metrics", value, None) is None, "unsigned"
-    assert trust.signer("demo.metrics", value, [(signing.SIGNER_HEADER, b"../x"), headers[1]]) is None
+    assert trust.signer("demo.metrics", value, headers[:2]) is None, "without its certificate"
 
 
-def test_a_writer_added_later_is_trusted_once_its_key_is_there(keys: Path) -> None:
-    trust = Trust(keys / "public")
-    create_keys(keys / "later", ["instance-2"])
-    signer = signing.Signer(
-        "instance-2", load_signer(keys / "later" / "instance-2.key", Trust(keys / "later" / "public")).key
-    )
-    headers = signer.headers("t", b"v")
-    assert trust.signer("t", b"v", headers) is None
-    (keys / "public" / "instance-2.pub").write_bytes(
-        (keys / "later" / "public" / "instance-2.pub").read_bytes()
-    )
-    assert trust.signer("t", b"v", headers) == "instance-2"
+def test_a_writer_added_later_is_trusted_by_its_certificate_alone(keys: Path) -> None:
+    trust = _trust(keys)
+    create_keys(keys, "demo", ["instance-7"])  # after the reader started
+    signer = load_signer(keys / "instance-7.key", _trust(keys))
+    assert trust.signer("demo.metrics", b"v", signer.headers("demo.metrics", b"v")) == "instance-7"
+    forged = Certificate.issue(Ed25519PrivateKey.generate(), "demo", "instance-8", raw_public(signer.key))
+    headers = Signer("instance-8", signer.key, forged.to_bytes()).headers("demo.metrics", b"v")
+    assert trust.signer("demo.metrics", b"v", headers) is None, "a certificate another key issued"
 
 
 def test_only_the_controller_may_assign_request_or_budget_and_an_instance_speaks_for_itself() -> None:
@@ -114,10 +137,10 @@ def test_settings_that_cannot_work_fail_in_one_line(keys: Path, monkeypatch: pyt
     monkeypatch.setenv(signing.KEY_ENV, str(keys / "instance-0.key"))
     with pytest.raises(SigningError, match="set both, or neither"):
         check()
-    monkeypatch.setenv(signing.TRUST_ENV, str(keys / "nowhere"))
-    with pytest.raises(SigningError, match="no such directory"):
+    monkeypatch.setenv(signing.TRUST_ENV, str(keys / "nowhere.pub"))
+    with pytest.raises(SigningError, match="no such file"):
         check()
-    monkeypatch.setenv(signing.TRUST_ENV, str(keys / "public"))
+    monkeypatch.setenv(signing.TRUST_ENV, str(keys / "controller.pub"))
     monkeypatch.setenv(signing.KEY_ENV, str(keys / "missing.key"))
     with pytest.raises(SigningError, match="no such file"):
         check()
