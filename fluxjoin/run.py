@@ -4,6 +4,8 @@ instance, the controller and the Kubernetes operator, and the demo that runs the
 
 from __future__ import annotations
 
+import os
+
 import json
 import signal
 import threading
@@ -238,8 +240,13 @@ def operator_command(
         run_operator,
     )
     from controller.k8s.spec import InstanceSettings
+    from pipeline.control_view import CONTROLLER
+    from pipeline.signing import ISSUER_ENV, public_pem, signer
 
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    own, issuer = signer(), os.environ.get(ISSUER_ENV) or None
+    if (own is not None and own.name == CONTROLLER) != bool(issuer):
+        fail(f"signing needs both the controller's key (FLUXJOIN_SIGNING_KEY_FILE) and {ISSUER_ENV}, or neither")
     options = OperatorOptions(
         namespace=namespace or default_namespace(),
         identity=identity or socket.gethostname(),
@@ -253,6 +260,8 @@ def operator_command(
             pull_secrets=tuple(s for s in image_pull_secrets.split(",") if s),
             metrics_port=metrics_port,
             scrape_annotations=scrape_annotations,
+            signing_issuer=issuer,
+            controller_public_key=public_pem(own.key).decode() if own is not None and issuer else None,
         ),
     )
     try:

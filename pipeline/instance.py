@@ -383,6 +383,7 @@ def _run(
     from pipeline.topics import check_reachable, ensure_topics
 
     check_reachable(bootstrap)
+    _certified(name)
     ensure_topics(cfg, bootstrap)
     home = instance_dir(cfg, name)
     assignment = home / "assignment.json"
@@ -501,3 +502,25 @@ def _run(
     if follower.evicted.is_set():
         log.error("%s: evicted while it ran (declared dead); its pids live elsewhere now", name)
         sys.exit(FENCED_EXIT_STATUS)
+
+
+def _certified(name: str) -> None:
+    """On Kubernetes with signing on: a key of this pod's own, certified by the operator as `name`,
+    before anything is written (decision 0064). Nothing elsewhere: a local instance is given its key."""
+    import tempfile
+
+    from pipeline.signing import ISSUER_ENV, TOKEN_ENV, request_certificate
+
+    issuer = os.environ.get(ISSUER_ENV)
+    if not issuer:
+        return
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        raise RuntimeError(
+            f"{ISSUER_ENV} is set but {TOKEN_ENV} is not: the pod has no token to prove who it is"
+        )
+    key = Path(tempfile.gettempdir()) / "fluxjoin-signing" / f"{name}.key"
+    signer = request_certificate(issuer, Path(token), key)
+    if signer.name != name:
+        raise RuntimeError(f"{issuer} certified this pod as {signer.name}, not as {name}")
+    log.info("%s: signing as %s, certified by %s", name, signer.name, issuer)

@@ -52,6 +52,12 @@ SIGNATURE_HEADER = "fluxjoin-signature"
 CERTIFICATE_HEADER = "fluxjoin-certificate"
 KEY_ENV = "FLUXJOIN_SIGNING_KEY_FILE"
 TRUST_ENV = "FLUXJOIN_CONTROLLER_PUBLIC_KEY_FILE"
+ISSUER_ENV = "FLUXJOIN_SIGNING_ISSUER_URL"
+"""On Kubernetes: where an instance pod asks the operator for its certificate (`request_certificate`)."""
+TOKEN_ENV = "FLUXJOIN_SIGNING_TOKEN_FILE"
+"""On Kubernetes: the pod's service account token for the audience `TOKEN_AUDIENCE`, which proves to
+the operator which pod asks."""
+TOKEN_AUDIENCE = "fluxjoin"
 
 Headers = list[tuple[str, str | bytes | None]]
 
@@ -84,7 +90,11 @@ def read_private(path: Path) -> Ed25519PrivateKey:
 
 
 def read_public(path: Path) -> Ed25519PublicKey:
-    loaded = serialization.load_pem_public_key(path.read_bytes())
+    """The public key in `path`; a private key's public half (the controller trusts its own key)."""
+    text = path.read_bytes()
+    if b"PRIVATE KEY" in text:
+        return read_private(path).public_key()
+    loaded = serialization.load_pem_public_key(text)
     if not isinstance(loaded, Ed25519PublicKey):
         raise SigningError(f"{path}: not an Ed25519 public key")
     return loaded
@@ -176,7 +186,7 @@ class Trust:
     ) -> str | None:
         """The name of the writer whose valid signature `headers` carry for `value` on `topic`; None
         when they carry none, or a certificate this controller did not issue for that writer and the
-        topic's pipeline, or the signature does not check out."""
+        topic's pipeline (`<pipeline>.<name>`), or the signature does not check out."""
         found = {k: v for k, v in headers or () if isinstance(v, bytes)}
         name_bytes, signature = found.get(SIGNER_HEADER), found.get(SIGNATURE_HEADER)
         if name_bytes is None or signature is None:
@@ -186,7 +196,7 @@ class Trust:
             key = self.controller
         else:
             cert = self.certificate(found.get(CERTIFICATE_HEADER) or b"")
-            if cert is None or cert.name != name or not topic.startswith(f"{cert.pipeline}."):
+            if cert is None or cert.name != name or cert.pipeline != topic.rpartition(".")[0]:
                 return None
             key = Ed25519PublicKey.from_public_bytes(cert.key)
         try:
@@ -312,3 +322,53 @@ def fresh(seq: int, last_seq: int | None) -> bool:
     alive. Numbers, not the writer's clock: a clock stepped back would make a live instance's
     heartbeats look old."""
     return last_seq is None or seq > last_seq
+
+
+def request_certificate(issuer: str, token_file: Path, key_file: Path, timeout_s: float = 300.0) -> Signer:
+    """Make a key at `key_file` and have the operator at `issuer` certify it: an instance pod's start
+    on Kubernetes, where no file can hold one pod's key and not the others' (a StatefulSet's pods share
+    one template). The pod's service account token, bound to the pod, tells the operator which instance
+    asks (`controller.k8s.certificates`). Asked again every 2 s while the operator is away or
+    refuses, up to `timeout_s`; then RuntimeError with the operator's last answer.
+
+    Sets this process's `FLUXJOIN_SIGNING_KEY_FILE`, so its Spark workers sign with the key too."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    key_file.parent.mkdir(parents=True, exist_ok=True)
+    key = Ed25519PrivateKey.generate()
+    _write_private(key_file, key)
+    body = json.dumps({"key": base64.b64encode(raw_public(key)).decode()}).encode()
+    deadline, said = time.monotonic() + timeout_s, ""
+    while True:
+        request = urllib.request.Request(
+            f"{issuer.rstrip('/')}/certificates",
+            data=body,
+            headers={
+                "Authorization": f"Bearer {token_file.read_text().strip()}",
+                "Content-Type": "application/json",
+            },
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                raw = answer.read()
+            break
+        except urllib.error.HTTPError as exc:
+            why = f"{exc.code} {exc.read().decode(errors='replace').strip()}"
+        except OSError as exc:
+            why = repr(exc)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no signing certificate from {issuer}: {why}")
+        if why != said:
+            log.warning("asking %s for a signing certificate: %s; asking again", issuer, why)
+            said = why
+        time.sleep(2.0)
+    key_file.with_suffix(".cert").write_bytes(raw)
+    os.environ[KEY_ENV] = str(key_file)
+    signer.cache_clear()
+    own = signer()
+    if own is None:
+        raise SigningError(f"{KEY_ENV}={key_file}: a certificate, but no {TRUST_ENV} to check it against")
+    return own

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import kubernetes
 
+from controller.k8s.certificates import Issuer
 from controller.k8s.health import serve_health
 from controller.k8s.lease import LeaseElector
 from controller.k8s.ports import make_mover
 from controller.k8s.reconciler import Operator
 from controller.k8s.spec import InstanceSettings
+from pipeline import signing
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,13 @@ def run_operator(options: OperatorOptions) -> None:
         elector=elector,
         identity=options.identity,
     )
-    server = serve_health(operator.healthy, operator.metrics, options.metrics_port)
+    signer = signing.signer()
+    issuer = (
+        Issuer(api_client, options.namespace, signer)
+        if signer is not None and options.instance.signing_issuer
+        else None
+    )
+    server = serve_health(operator.healthy, operator.metrics, options.metrics_port, issuer=issuer)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: operator.request_stop())
     log.info("reconciling JoinPipelines in namespace %s as %s", options.namespace, options.identity)

@@ -28,6 +28,7 @@ from controller.k8s.resource import CaSecret, ClientCertSecret, KafkaSecurity, P
 from controller.k8s.spec import API_VERSION, FIELD_MANAGER, KIND, WORK_DIR, InstanceSettings, PipelineSpec
 from controller.scaling import ordinal_of
 from pipeline.config import Config
+from pipeline.signing import ISSUER_ENV, TOKEN_AUDIENCE, TOKEN_ENV, TRUST_ENV
 
 PIPELINE_LABEL = "fluxjoin.io/pipeline"
 SPEC_HASH_ANNOTATION = "fluxjoin.io/spec-hash"
@@ -36,6 +37,7 @@ CHECKPOINT_VOLUME = "checkpoint"
 CONFIG_VOLUME = "config"
 CONFIG_DIR = "/etc/fluxjoin"
 CONFIG_FILE = "instance.yaml"
+CONTROLLER_KEY_FILE = "controller.pub"
 STARTUP_ALLOWANCE_S = 600
 """How long an instance pod may take from its start until its query serves (/readyz) before the kubelet
 restarts it: a JVM, a Spark session and a first batch, 20-60 s on a core, several minutes under a CPU
@@ -130,15 +132,37 @@ def instance_config(spec: PipelineSpec) -> dict[str, Any]:
     return document
 
 
-def config_map(spec: PipelineSpec) -> dict[str, Any]:
-    """The ConfigMap holding the instances' configuration file (`CONFIG_FILE`)."""
+def config_map(spec: PipelineSpec, controller_public_key: str | None = None) -> dict[str, Any]:
+    """The ConfigMap holding the instances' configuration file (`CONFIG_FILE`), and with signing on the
+    controller's public key they trust (`CONTROLLER_KEY_FILE`)."""
     text = (
         f"# fluxjoin instance configuration of JoinPipeline {spec.namespace}/{spec.name}, written by the\n"
         "# operator from the pipeline's spec: edit the JoinPipeline, not this file.\n"
     ) + yaml.safe_dump(instance_config(spec), sort_keys=False)
-    return _with_hash(
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(spec), "data": {CONFIG_FILE: text}}
+    data = {CONFIG_FILE: text} | (
+        {CONTROLLER_KEY_FILE: controller_public_key} if controller_public_key else {}
     )
+    return _with_hash({"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(spec), "data": data})
+
+
+SIGNING_TOKEN_DIR = "/var/run/secrets/fluxjoin"
+"""Where an instance pod finds its service account token for the audience `fluxjoin`."""
+
+
+def signing(settings: InstanceSettings) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The environment and the token volume with which an instance pod gets its signing certificate
+    from the operator (`pipeline.signing.request_certificate`) and checks what it reads against the
+    controller's key; nothing while the operator signs nothing (decision 0064)."""
+    if not settings.signing_issuer:
+        return [], None
+    env = [
+        {"name": ISSUER_ENV, "value": settings.signing_issuer},
+        {"name": TOKEN_ENV, "value": f"{SIGNING_TOKEN_DIR}/token"},
+        {"name": TRUST_ENV, "value": f"{CONFIG_DIR}/{CONTROLLER_KEY_FILE}"},
+    ]
+    token = {"path": "token", "audience": TOKEN_AUDIENCE, "expirationSeconds": 600}
+    volume = {"name": "signing-token", "projected": {"sources": [{"serviceAccountToken": token}]}}
+    return env, volume
 
 
 def instance_args(settings: InstanceSettings) -> list[str]:
@@ -243,8 +267,9 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
         if settings.scrape_annotations else {}
     )  # fmt: skip
     # The file's content changes no argument: its hash in the template rolls the pods when it changes.
-    annotations[CONFIG_HASH_ANNOTATION] = _digest(config_map(spec)["data"])
+    annotations[CONFIG_HASH_ANNOTATION] = _digest(config_map(spec, settings.controller_public_key)["data"])
     kafka_env, kafka_volume = kafka_credentials(spec.kafka_security)
+    signing_env, token_volume = signing(settings)
     container: dict[str, Any] = {
         "name": "instance",
         "image": image,
@@ -254,6 +279,7 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
             {"name": "FLUXJOIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "FLUXJOIN_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             *kafka_env,
+            *signing_env,
         ],
         "ports": [{"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"}],
         **_probes(),
@@ -290,6 +316,11 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
         pod_spec["volumes"].append(kafka_volume)
         container["volumeMounts"].append(
             {"name": kafka_volume["name"], "mountPath": KAFKA_CREDENTIALS_DIR, "readOnly": True}
+        )
+    if token_volume is not None:
+        pod_spec["volumes"].append(token_volume)
+        container["volumeMounts"].append(
+            {"name": token_volume["name"], "mountPath": SIGNING_TOKEN_DIR, "readOnly": True}
         )
     if settings.pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": name} for name in settings.pull_secrets]

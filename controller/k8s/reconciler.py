@@ -223,7 +223,8 @@ class Operator:
         spec = PipelineSpec.from_object(obj)
         mover = self._mover(spec)
         # Before the StatefulSet: its pods mount the ConfigMap, and a pod started without it waits.
-        for desired in (config_map(spec), service(spec, self._settings), pod_disruption_budget(spec)):
+        owned = (config_map(spec, self._settings.controller_public_key), service(spec, self._settings))
+        for desired in (*owned, pod_disruption_budget(spec)):
             self._api.apply(self._api.read(desired["kind"], spec.name), desired)
 
         current = self._api.read("StatefulSet", spec.name)

@@ -142,3 +142,7 @@ class InstanceSettings:
     pull_secrets: tuple[str, ...] = ()
     metrics_port: int = DEFAULT_METRICS_PORT
     scrape_annotations: bool = True
+    signing_issuer: str | None = None
+    """Where instance pods ask for their signing certificates (the operator's Service); None: no signing."""
+    controller_public_key: str | None = None
+    """The controller's public key (PEM) instance pods trust; set together with `signing_issuer`."""

@@ -2,7 +2,8 @@
 
 The cluster (scripts/cluster.sh: kubelet, containerd, scheduler, controller-manager, CoreDNS, a default
 StorageClass) runs real pods from the image `make image` builds. The chart installs its trial Kafka, the
-operator, a JoinPipeline of two instances and the generator; while input flows the pipeline is scaled
+operator, a JoinPipeline of two instances and the generator, with signing on (each instance pod's key
+certified by the operator, every control and metrics record checked); while input flows the pipeline is scaled
 2 -> 4 -> 2, rolled to a second image tag (each instance resumes from its checkpoint), rolled back with
 `plannedRestart: drain` (each instance's pids move to the other before it stops), loses an instance pod
 to a forced deletion and its node's kubelet for 30 s. Each pid's longest pause in each rolling update
@@ -122,6 +123,7 @@ def _values(broker_image: str) -> list[str]:
             ("generator.resources.requests.cpu", "50m"),
             ("generator.config.rate.rate", str(RATE)),
             ("generator.config.keys.count", "2000"),
+            ("signing.enabled", "true"),
         ]
     )
 
@@ -318,6 +320,12 @@ def test_helm_install_scale_roll_and_faults_stay_exact(kube: Kube) -> None:
     operator_log = logs[-1]
     report["instances_rejoined_empty"] = operator_log.count("rejoined as a new, empty instance")
     assert report["instances_rejoined_empty"] == 0, operator_log[-5000:]
+    # Signing on: every record the operator read carried its writer's valid signature, and every
+    # instance pod signs under a key the operator certified for it, through its restarts.
+    assert "dropping records" not in operator_log, operator_log[-5000:]
+    for pod in kube.pods(INSTANCES):
+        name = pod["metadata"]["name"]
+        assert f"{name}: signing as {name}, certified by" in kube.kubectl("logs", f"pod/{name}"), name
 
     # Every instance pod is Ready through its probes, and serves Prometheus text (through the API server's
     # pod proxy, as a scraper inside the cluster would reach it).

@@ -25,6 +25,7 @@ VALUE_SETS: dict[str, list[str]] = {
         "--set", "pipeline.checkpoint.storageClassName=fast,imagePullSecrets[0].name=registry",
         "--set", "operator.podAnnotations.team=streams",
     ],
+    "signing": ["--set", "signing.enabled=true"],
 }  # fmt: skip
 
 
@@ -617,3 +618,34 @@ def test_kustomize_base_installs_for_real(kube: KubeCluster, crd: None) -> None:
         )
         == "yes"
     )
+
+
+def test_signing_makes_the_controllers_key_once_and_only_the_operator_holds_it(
+    kube: KubeCluster, namespace: str, crd: None
+) -> None:
+    """`signing.enabled`: a Secret with the controller's key, kept by `helm upgrade`, mounted by the
+    operator alone; a Service where instance pods ask for certificates; the one cluster-wide verb the
+    operator gains (creating TokenReviews), and none without signing."""
+    from pipeline.signing import ISSUER_ENV, KEY_ENV, TRUST_ENV
+
+    sa = "fj-fluxjoin-operator"
+    assert _can_i(kube, namespace, sa, ["create", "tokenreviews.authentication.k8s.io"]) == "no"
+    kube.helm("install", "fj", str(CHART), "-n", namespace, "--set", "signing.enabled=true")
+    core: Any = kubernetes.client.CoreV1Api(kube.api_client)
+    key = core.read_namespaced_secret("fj-fluxjoin-signing", namespace).data["controller.key"]
+    assert _can_i(kube, namespace, sa, ["create", "tokenreviews.authentication.k8s.io"]) == "yes"
+    assert _can_i(kube, namespace, sa, ["get", "secrets"]) == "no", "it reads its key as a file"
+    kube.helm("upgrade", "fj", str(CHART), "-n", namespace, "--reuse-values")
+    assert core.read_namespaced_secret("fj-fluxjoin-signing", namespace).data["controller.key"] == key
+
+    apps = kubernetes.client.AppsV1Api(kube.api_client)
+    operator = _plain(kube, apps.read_namespaced_deployment("fj-fluxjoin-operator", namespace))
+    pod = operator["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert env[KEY_ENV] == env[TRUST_ENV] == f"{mounts['signing']}/controller.key"
+    assert env[ISSUER_ENV] == f"http://fj-fluxjoin-operator.{namespace}.svc:9108"
+    service = core.read_namespaced_service("fj-fluxjoin-operator", namespace)
+    assert service.spec.selector == operator["spec"]["selector"]["matchLabels"]
+    assert key not in json.dumps(operator)
