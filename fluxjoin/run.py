@@ -4,9 +4,8 @@ instance, the controller and the Kubernetes operator, and the demo that runs the
 
 from __future__ import annotations
 
-import os
-
 import json
+import os
 import signal
 import threading
 import time
@@ -246,7 +245,7 @@ def operator_command(
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     own, issuer = signer(), os.environ.get(ISSUER_ENV) or None
     if (own is not None and own.name == CONTROLLER) != bool(issuer):
-        fail(f"signing needs both the controller's key (FLUXJOIN_SIGNING_KEY_FILE) and {ISSUER_ENV}, or neither")
+        fail(f"signing needs the controller's key (FLUXJOIN_SIGNING_KEY_FILE) and {ISSUER_ENV}, or neither")
     options = OperatorOptions(
         namespace=namespace or default_namespace(),
         identity=identity or socket.gethostname(),

@@ -83,7 +83,10 @@ def public_pem(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
 
 
 def read_private(path: Path) -> Ed25519PrivateKey:
-    loaded = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    try:
+        loaded = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (ValueError, TypeError) as exc:
+        raise SigningError(f"{path}: not a PEM private key ({exc.__class__.__name__})") from None
     if not isinstance(loaded, Ed25519PrivateKey):
         raise SigningError(f"{path}: not an Ed25519 private key (make one with `fluxjoin keys`)")
     return loaded
@@ -94,7 +97,10 @@ def read_public(path: Path) -> Ed25519PublicKey:
     text = path.read_bytes()
     if b"PRIVATE KEY" in text:
         return read_private(path).public_key()
-    loaded = serialization.load_pem_public_key(text)
+    try:
+        loaded = serialization.load_pem_public_key(text)
+    except ValueError as exc:
+        raise SigningError(f"{path}: not a PEM public key ({exc.__class__.__name__})") from None
     if not isinstance(loaded, Ed25519PublicKey):
         raise SigningError(f"{path}: not an Ed25519 public key")
     return loaded
@@ -282,7 +288,9 @@ def signer() -> Signer | None:
 
 def check_settings() -> None:
     """SigningError, in one line, when the environment's signing settings do not work: called by every
-    process at its start, so a mistake stops it there rather than in a Spark worker."""
+    process at its start, so a mistake stops it there rather than in a Spark worker. Reads them afresh."""
+    trust.cache_clear()
+    signer.cache_clear()
     signer()
 
 

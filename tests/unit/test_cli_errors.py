@@ -45,6 +45,17 @@ def test_a_command_without_a_broker_says_so_in_one_line(command: list[str]) -> N
             id="incomplete-kafka-security",
         ),
         pytest.param(
+            ["status"], {"FLUXJOIN_SIGNING_KEY_FILE": "/nonexistent/instance-0.key"},
+            "error: FLUXJOIN_SIGNING_KEY_FILE is set but FLUXJOIN_CONTROLLER_PUBLIC_KEY_FILE is not: "
+            "set both, or neither",
+            id="signing-key-without-the-controllers",
+        ),
+        pytest.param(
+            ["status"], {"FLUXJOIN_CONTROLLER_PUBLIC_KEY_FILE": "/nonexistent/controller.pub"},
+            "error: FLUXJOIN_CONTROLLER_PUBLIC_KEY_FILE=/nonexistent/controller.pub: no such file",
+            id="missing-controller-key",
+        ),
+        pytest.param(
             ["controller", "--set", "policy.name=chaos"], {},
             "error: unknown policy 'chaos'; choose from static, flux, memory, flux-memory, hybrid",
             id="unknown-configured-policy",

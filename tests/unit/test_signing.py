@@ -144,6 +144,12 @@ def test_settings_that_cannot_work_fail_in_one_line(keys: Path, monkeypatch: pyt
     monkeypatch.setenv(signing.KEY_ENV, str(keys / "missing.key"))
     with pytest.raises(SigningError, match="no such file"):
         check()
+    monkeypatch.setenv(signing.KEY_ENV, str(keys / "instance-0.cert"))
+    with pytest.raises(SigningError, match="not a PEM private key"):
+        check()
+    monkeypatch.setenv(signing.TRUST_ENV, str(keys / "instance-0.cert"))
+    with pytest.raises(SigningError, match="not a PEM public key"):
+        check()
     signing.trust.cache_clear()
     signing.signer.cache_clear()
 
