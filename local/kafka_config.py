@@ -43,6 +43,9 @@ class SaslSsl:
     directory: Path
     users: Mapping[str, str] = field(default_factory=dict)
     super_password: str = field(default_factory=lambda: uuid.uuid4().hex)
+    host: str = "localhost"
+    """The address clients reach the listener at, and its certificate names: another one (an IP of this
+    machine) makes it listen on every interface, for clients elsewhere (pods of a cluster on this node)."""
 
     @property
     def ca_file(self) -> Path:
@@ -68,10 +71,15 @@ class SaslSsl:
                 "-days", "30", "-subj", "/CN=fluxjoin test CA")  # fmt: skip
         openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "broker.key", "-out", "broker.csr",
                 "-subj", "/CN=localhost")  # fmt: skip
-        (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        extra = "" if self.host == "localhost" else f",IP:{self.host}"
+        (d / "san.ext").write_text(f"subjectAltName=DNS:localhost,IP:127.0.0.1{extra}\n")
         openssl("x509", "-req", "-in", "broker.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
                 "-out", "broker.pem", "-days", "30", "-extfile", "san.ext")  # fmt: skip
         self.keystore.write_text((d / "broker.key").read_text() + (d / "broker.pem").read_text())
+
+    @property
+    def bind(self) -> str:
+        return "localhost" if self.host == "localhost" else "0.0.0.0"
 
     def client(self, user: str = SUPER_USER) -> dict[str, str]:
         """librdkafka settings of a client logged in as `user`."""
@@ -99,8 +107,8 @@ class SaslSsl:
             f'username="{SUPER_USER}" password="{self.super_password}";'
         )
         return {
-            "listeners": f"SASL_SSL://localhost:{port},CONTROLLER://localhost:{controller_port}",
-            "advertised.listeners": f"SASL_SSL://localhost:{port},CONTROLLER://localhost:{controller_port}",
+            "listeners": f"SASL_SSL://{self.bind}:{port},CONTROLLER://localhost:{controller_port}",
+            "advertised.listeners": f"SASL_SSL://{self.host}:{port},CONTROLLER://localhost:{controller_port}",
             "listener.security.protocol.map": "SASL_SSL:SASL_SSL,CONTROLLER:PLAINTEXT",
             "inter.broker.listener.name": "SASL_SSL",
             "sasl.enabled.mechanisms": "SCRAM-SHA-512",

@@ -121,7 +121,7 @@ def start(
     `fresh` stops a running broker and deletes its data first; otherwise topics survive restarts.
     `secured`: a SASL_SSL listener with the authorizer on (its users are made when the data is new).
     """
-    address = f"localhost:{port}"
+    address = f"{secured.host if secured is not None else 'localhost'}:{port}"
     pid_file = _pid_file(port)
     state = data_dir if data_dir is not None else pid_file.parent
     with locked(pid_file.with_name("start.lock")):

@@ -274,6 +274,7 @@ class InstanceFollower:
         assignment: Path,
         log: ControlLog,
         stalled_s: Callable[[], float] | None = None,
+        boot: int = 1,
     ) -> None:
         from confluent_kafka import Producer
 
@@ -290,9 +291,10 @@ class InstanceFollower:
         self._beat_lock = threading.Lock()  # an eviction read and a heartbeat never cross
         self._epoch_read = -1
         """The newest epoch read and found not to evict this incarnation: what a heartbeat names."""
-        self._beats = 0
-        """Heartbeats sent by this incarnation: each carries its number, so a copy of one appended
-        again is told from a new one (`pipeline.signing.fresh`)."""
+        self.boot, self._beats = boot, 0
+        """The process's start on this incarnation's directory (`instance._boot`) and its heartbeats so
+        far: each heartbeat carries both, so a copy of one appended again is told from a new one
+        (`pipeline.signing.fresh`)."""
         self.broker_away = ""
         """Why the control log cannot be read now because the broker is away ("" while it can)."""
         self.serving = False
@@ -352,7 +354,7 @@ class InstanceFollower:
             if self.progress and self.stalled_s is not None:
                 beat["stalled_ms"] = int(self.stalled_s() * 1000)
             self._beats += 1
-            beat["seq"] = self._beats
+            beat["seq"] = [self.boot, self._beats]
             value = json.dumps(beat).encode()
             topic = self.cfg.metrics_topic
             self._producer.produce(topic, key=self.instance, value=value, headers=sign(topic, value))

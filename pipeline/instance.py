@@ -338,6 +338,16 @@ def _incarnation(home: Path) -> str:
     return path.read_text().strip()
 
 
+def _boot(home: Path) -> int:
+    """How many times a process has started on this work directory, this one included: a heartbeat's
+    number goes on from the last process's, so a restart's first heartbeat is no replay to the
+    controller (`pipeline.signing.fresh`)."""
+    path = home / "boots"
+    boots = int(path.read_text()) + 1 if path.exists() else 1
+    path.write_text(str(boots))
+    return boots
+
+
 def run_instance(
     cfg: Config,
     bootstrap: str,
@@ -394,7 +404,7 @@ def _run(
         log.warning("%s: declared dead while away; its pids live elsewhere now, rejoining empty", name)
         shutil.rmtree(home)
     follower = InstanceFollower(
-        cfg, bootstrap, name, _incarnation(home), assignment, control, health.progress_age_s
+        cfg, bootstrap, name, _incarnation(home), assignment, control, health.progress_age_s, _boot(home)
     )
     metrics.incarnation = follower.incarnation
     progress = QueryProgress(progress_ms=int(time.time() * 1000))

@@ -324,11 +324,11 @@ def may_say(author: str, topic: str, value: bytes, headers: Any) -> bool:
 _SAID: set[tuple[str, str, str | None]] = set()
 
 
-def fresh(seq: int, last_seq: int | None) -> bool:
-    """Whether a heartbeat numbered `seq` by its incarnation is newer than the last one taken from that
-    incarnation (`last_seq`): a copy of an old heartbeat appended again must not keep a dead instance
-    alive. Numbers, not the writer's clock: a clock stepped back would make a live instance's
-    heartbeats look old."""
+def fresh(seq: tuple[int, int], last_seq: tuple[int, int] | None) -> bool:
+    """Whether a heartbeat numbered `seq` (the process's start on its incarnation's directory, then its
+    heartbeat) is newer than the last one taken from that incarnation (`last_seq`): a copy of an old
+    heartbeat appended again must not keep a dead instance alive. Numbers, not the writer's clock: a
+    clock stepped back would make a live instance's heartbeats look old."""
     return last_seq is None or seq > last_seq
 
 

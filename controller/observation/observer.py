@@ -86,9 +86,8 @@ class Observer:
         self.batches: list[dict[str, Any]] = []
         self.readings: list[dict[str, Any]] = []  # what batches in flight have read (`report_reading`)
         self.empty_s: dict[str, float] = {}  # instance -> its shortest batch that read nothing, ever
-        self._beat_seq: dict[
-            tuple[str, str], int
-        ] = {}  # (instance, incarnation) -> its newest heartbeat's number
+        # (instance, incarnation) -> its newest heartbeat's number (`pipeline.signing.fresh`)
+        self._beat_seq: dict[tuple[str, str], tuple[int, int]] = {}
         # read_uncommitted: heartbeats are not transactional, and a dead instance's open transaction on
         # this topic must not hide the others' heartbeats (load figures from aborted batches are harmless).
         self._consumer = Consumer(
@@ -173,12 +172,13 @@ class Observer:
     def _fresh(self, beat: dict[str, Any]) -> bool:
         """Whether a heartbeat is newer than the last one taken from its incarnation: a copy appended
         again (a replay, which keeps its valid signature) is not."""
-        key, seq = (beat["instance"], beat["incarnation"]), beat.get("seq")
-        if seq is None:  # a version before decision 0064 numbers none
+        key, numbered = (beat["instance"], beat["incarnation"]), beat.get("seq")
+        if not isinstance(numbered, list) or len(numbered) != 2:  # a version before decision 0064
             return True
-        if not fresh(int(seq), self._beat_seq.get(key)):
+        seq = (int(numbered[0]), int(numbered[1]))
+        if not fresh(seq, self._beat_seq.get(key)):
             return False
-        self._beat_seq[key] = int(seq)
+        self._beat_seq[key] = seq
         return True
 
     def expect(self, instances: Iterable[str]) -> None:

@@ -15,6 +15,8 @@ nothing behind. Timings and counts go to reports/e2e.json.
 from __future__ import annotations
 
 import json
+import secrets
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,10 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from confluent_kafka.admin import AdminClient
 
 from controller.k8s.manifests import PIPELINE_LABEL
 from controller.k8s.status import pod_ready
+from local import kafka_runtime
+from local.kafka_config import SaslSsl
 from local.kafka_dist import build_broker_image
+from pipeline.acls import pipeline_acls
+from pipeline.config import Config
 from tests.e2e.kube import (
     REPO,
     E2EError,
@@ -392,3 +399,123 @@ def test_helm_install_scale_roll_and_faults_stay_exact(kube: Kube) -> None:
     assert verdict.get("exact") is True, f"the oracle found the results not exact: {verdict}"
     assert verdict.get("missing") == 0 and verdict.get("duplicate") == 0 and verdict.get("spurious") == 0
     assert verdict["input_tuples"] >= MIN_TUPLES
+
+
+SECURED_RELEASE = "fjs"
+SECURED_PIPELINE = f"{SECURED_RELEASE}-fluxjoin"
+
+
+def _node_ip() -> str:
+    """This machine's address on the way out, the one pods of the node reach it at (as scripts/cluster.sh
+    gives the kubelet)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("1.0.0.0", 9))
+        return str(s.getsockname()[0])
+
+
+def test_helm_install_on_a_kafka_with_tls_scram_and_acls_stays_exact(kube: Kube, tmp_path: Path) -> None:
+    """The chart against a Kafka outside the cluster that asks for TLS and SCRAM and authorizes every
+    request (the embedded broker on this node, as a managed Kafka would be): the password and the CA come
+    from a Secret and reach the operator, the generator and every instance pod as files; signing on;
+    scaled 2 -> 3 while input flows; the oracle, a Job logged in alike, finds the results exact."""
+    ip, password = _node_ip(), secrets.token_urlsafe(16)
+    secured = SaslSsl(tmp_path / "tls", {"fluxjoin": password}, host=ip)
+    port = kafka_runtime._free_port()
+    bootstrap = kafka_runtime.start(port, data_dir=tmp_path / "broker", secured=secured)
+    try:
+        prefix = f"{NAMESPACE}.{SECURED_PIPELINE}"
+        admin = AdminClient({"bootstrap.servers": bootstrap, **secured.client()})
+        for future in admin.create_acls(pipeline_acls(Config(pipeline=prefix), "User:fluxjoin")).values():
+            future.result()
+        kube.kubectl(
+            "create", "secret", "generic", "fluxjoin-kafka", f"--from-literal=password={password}",
+            f"--from-file=ca.crt={secured.ca_file}",
+        )  # fmt: skip
+        values = [
+            ("image.repository", IMAGE), ("image.tag", TAG), ("image.pullPolicy", "Never"),
+            ("kafka.bootstrapServers", bootstrap),
+            ("kafka.security.protocol", "SASL_SSL"), ("kafka.security.saslMechanism", "SCRAM-SHA-512"),
+            ("kafka.security.username", "fluxjoin"), ("kafka.security.passwordSecret.name", "fluxjoin-kafka"),
+            ("kafka.security.caSecret.name", "fluxjoin-kafka"),
+            ("operator.resources.requests.cpu", "50m"),
+            ("pipeline.create", "true"), ("pipeline.replicas", "2"), ("pipeline.partitions", "8"),
+            ("pipeline.streams", "{A,B}"), ("pipeline.instance.sparkMaster", "local[1]"),
+            ("pipeline.resources.requests.cpu", "100m"), ("pipeline.resources.requests.memory", "1Gi"),
+            ("pipeline.checkpoint.size", "1Gi"),
+            ("generator.enabled", "true"), ("generator.resources.requests.cpu", "50m"),
+            ("generator.config.rate.rate", str(RATE)), ("generator.config.keys.count", "2000"),
+            ("signing.enabled", "true"),
+        ]  # fmt: skip
+        kube.helm("install", SECURED_RELEASE, str(CHART), *helm_values(values))
+        instances = f"app.kubernetes.io/component=instance,{PIPELINE_LABEL}={SECURED_PIPELINE}"
+
+        def ready(replicas: int) -> bool:
+            status = kube.get("joinpipeline", SECURED_PIPELINE).get("status", {})
+            pods = kube.pods(instances)
+            return (
+                status.get("readyReplicas") == replicas
+                and not status.get("movesInFlight")
+                and len(pods) == replicas
+                and all(pod_ready(p) for p in pods)
+            )
+
+        took = wait_until("secured install", 900, lambda: ready(2), kube.overview)
+        say(f"secured: Ready with 2 instances: {took:.0f} s")
+        kube.kubectl("scale", "joinpipeline", SECURED_PIPELINE, "--replicas=3")
+        took = wait_until("secured scale to 3", 600, lambda: ready(3), kube.overview)
+        say(f"secured: scaled to 3: {took:.0f} s")
+        time.sleep(30)  # input over the new layout
+        kube.kubectl("scale", "deployment", f"{SECURED_PIPELINE}-generator", "--replicas=0")
+        generators = f"app.kubernetes.io/component=generator,app.kubernetes.io/instance={SECURED_RELEASE}"
+        wait_until("secured generator stopped", 120, lambda: not kube.pods(generators), kube.overview)
+
+        # The oracle as a Job with the generator's configuration and credentials.
+        generator = kube.get("deployment", f"{SECURED_PIPELINE}-generator")["spec"]["template"]["spec"]
+        (container,) = generator["containers"]
+        credentials = [v for v in generator["volumes"] if v["name"] == "kafka-credentials"]
+        assert credentials, generator["volumes"]
+        verdict: dict[str, Any] = {}
+        for attempt in range(1, 11):
+            manifest = {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": f"secured-oracle-{attempt}"},
+                "spec": {
+                    "backoffLimit": 0,
+                    "template": {
+                        "spec": {
+                            "restartPolicy": "Never",
+                            "securityContext": generator.get("securityContext", {}),
+                            "containers": [
+                                {
+                                    "name": "oracle",
+                                    "image": f"{IMAGE}:{TAG}",
+                                    "imagePullPolicy": "Never",
+                                    "args": ["verify", "--config", "/etc/fluxjoin/fluxjoin.yaml", "--json"],
+                                    "env": [
+                                        e for e in container["env"] if e["name"].startswith("FLUXJOIN_KAFKA_")
+                                    ],
+                                    "volumeMounts": container["volumeMounts"],
+                                }
+                            ],
+                            "volumes": generator["volumes"],
+                        }
+                    },
+                },
+            }
+            _, log = run_job(kube, f"secured-oracle-{attempt}", manifest, timeout_s=600)
+            verdict = last_json_line(log)
+            say(f"secured oracle attempt {attempt}: {json.dumps({k: verdict.get(k) for k in ORACLE_COUNTS})}")
+            if verdict.get("exact"):
+                break
+            time.sleep(20)
+        for pod in kube.pods(instances):
+            name = pod["metadata"]["name"]
+            env = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+            assert "FLUXJOIN_KAFKA_SASL_PASSWORD_FILE" in env and password not in json.dumps(pod), name
+            assert f"{name}: signing as {name}, certified by" in kube.kubectl("logs", f"pod/{name}"), name
+        kube.helm("uninstall", SECURED_RELEASE, "--wait", "--timeout", "5m")
+    finally:
+        kafka_runtime.stop(port)
+    assert verdict.get("exact") is True, f"the oracle found the results not exact: {verdict}"
+    assert verdict["input_tuples"] > 10_000

@@ -234,12 +234,12 @@ def test_an_instance_cannot_assign_pids_or_heartbeat_for_another_instance(
         forging = threading.Event()
 
         def forge_heartbeats() -> None:
-            seq = 10**9
+            seq = 0
             while not forging.is_set():
                 seq += 1
                 beat = json.dumps(
                     {"kind": "heartbeat", "instance": "instance-1", "incarnation": incarnation,
-                     "serving": True, "epoch": epoch, "seq": seq, "time_ms": int(time.time() * 1000)}
+                     "serving": True, "epoch": epoch, "seq": [10**9, seq], "time_ms": int(time.time() * 1000)}
                 ).encode()  # fmt: skip
                 for headers in (forger_key.headers(cfg.metrics_topic, beat), None):
                     forger.produce(cfg.metrics_topic, beat, key="instance-1", headers=headers)

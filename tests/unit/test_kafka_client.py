@@ -81,3 +81,16 @@ def test_settings_that_cannot_work_fail_in_one_line_naming_the_fix(
     with pytest.raises(KafkaSecurityError, match=message.replace("(", r"\(")) as caught:
         KafkaSecurity.from_env(environ)
     assert "\n" not in str(caught.value)
+
+
+def test_a_secured_listener_for_clients_elsewhere_listens_everywhere_and_names_its_address(
+    tmp_path: Path,
+) -> None:
+    from local.kafka_config import SaslSsl
+
+    local = SaslSsl(tmp_path / "a").properties(9093, 9094)
+    assert local["listeners"].startswith("SASL_SSL://localhost:9093,")
+    remote = SaslSsl(tmp_path / "b", host="10.1.2.3").properties(9093, 9094)
+    assert remote["listeners"].startswith("SASL_SSL://0.0.0.0:9093,")
+    assert remote["advertised.listeners"].startswith("SASL_SSL://10.1.2.3:9093,")
+    assert "CONTROLLER://localhost:9094" in remote["listeners"], "the controller listener stays local"

@@ -154,11 +154,13 @@ def test_settings_that_cannot_work_fail_in_one_line(keys: Path, monkeypatch: pyt
     signing.signer.cache_clear()
 
 
-def test_a_heartbeat_copied_again_is_not_fresh() -> None:
-    assert fresh(1, None)
-    assert fresh(8, 7)
-    assert not fresh(7, 7), "the same heartbeat appended again"
-    assert not fresh(3, 7), "an older one"
+def test_a_heartbeat_copied_again_is_not_fresh_and_a_restarts_first_one_is() -> None:
+    assert fresh((1, 1), None)
+    assert fresh((1, 8), (1, 7))
+    assert not fresh((1, 7), (1, 7)), "the same heartbeat appended again"
+    assert not fresh((1, 3), (1, 7)), "an older one"
+    assert fresh((2, 1), (1, 7)), "the first heartbeat of a process restarted on the same checkpoint"
+    assert not fresh((1, 9), (2, 1)), "the process before the restart"
 
 
 def _ops(cfg: Config, role: str) -> set[tuple[str, str, str, str]]:
@@ -194,3 +196,9 @@ def test_an_instances_acls_let_it_write_only_what_instances_write() -> None:
     assert ("TOPIC", "demo.", "PREFIXED", "ALL") in _ops(cfg, "controller")
     with pytest.raises(ValueError, match="use one of"):
         pipeline_acls(cfg, "User:x", "admin")
+
+
+def test_each_process_on_a_checkpoint_counts_its_start(tmp_path: Path) -> None:
+    from pipeline.instance import _boot
+
+    assert [_boot(tmp_path), _boot(tmp_path), _boot(tmp_path)] == [1, 2, 3]
