@@ -218,7 +218,10 @@ serializeImagePulls: false
 maxPods: 60
 EOF
 
-  cat >"$c/kube-proxy.yaml" <<EOF
+  # A running kube-proxy exits once its configuration file is written, even with the same content (and
+  # Services stop working until the next `up`): written only when it changes.
+  local proxy_config
+  proxy_config="$(cat <<EOF
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 mode: iptables
@@ -228,6 +231,10 @@ clientConnection: {kubeconfig: "$c/kube-proxy.kubeconfig"}
 # kube-proxy may not write the conntrack sysctls here; leave them as the machine has them.
 conntrack: {maxPerCore: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
 EOF
+)"
+  if [[ ! -f "$c/kube-proxy.yaml" || "$(cat "$c/kube-proxy.yaml")" != "$proxy_config" ]]; then
+    printf '%s\n' "$proxy_config" >"$c/kube-proxy.yaml"
+  fi
 
   cat >"$c/Corefile" <<EOF
 cluster.local:53 {
