@@ -27,7 +27,7 @@ from pipeline.instance_files import owned_pids, read_assignment, write_assignmen
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.protocol import AssignmentMsg, BudgetMsg, ProtocolError
 from pipeline.protocol_codec import decode, encode
-from pipeline.signing import may_say, sign
+from pipeline.signing import may_say, produce_signed
 from pipeline.topics import broker_away, watermark_offsets
 
 log = logging.getLogger(__name__)
@@ -243,8 +243,7 @@ class ControlLog:
 def publish(producer: Any, topic: str, msg: Message) -> None:
     """Produce one control message, signed when this process has a key (the caller flushes or commits
     its transaction)."""
-    value = encode(msg)
-    producer.produce(topic, value=value, key=type(msg).__name__, headers=sign(topic, value))
+    produce_signed(producer, topic, type(msg).__name__, encode(msg))
 
 
 def set_state_budget(cfg: Config, bootstrap: str, instance: str, state_budget_bytes: int) -> None:
@@ -355,9 +354,7 @@ class InstanceFollower:
                 beat["stalled_ms"] = int(self.stalled_s() * 1000)
             self._beats += 1
             beat["seq"] = [self.boot, self._beats]
-            value = json.dumps(beat).encode()
-            topic = self.cfg.metrics_topic
-            self._producer.produce(topic, key=self.instance, value=value, headers=sign(topic, value))
+            produce_signed(self._producer, self.cfg.metrics_topic, self.instance, json.dumps(beat).encode())
         self._producer.poll(0)
 
     def start(self) -> None:

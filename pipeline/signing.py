@@ -300,6 +300,12 @@ def sign(topic: str, value: bytes) -> Headers | None:
     return own.headers(topic, value) if own is not None else None
 
 
+def produce_signed(producer: Any, topic: str, key: str, value: bytes) -> None:
+    """Produce one record, signed for `topic` when this process has a key: the one way fluxjoin writes
+    a control, metrics or commit record, so that what is signed is what is sent."""
+    producer.produce(topic, key=key, value=value, headers=sign(topic, value))
+
+
 def may_say(author: str, topic: str, value: bytes, headers: Any) -> bool:
     """Whether a record claiming to come from `author` may be taken: always with checking off,
     else only when `author` signed it. A refusal is logged."""

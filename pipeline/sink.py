@@ -56,7 +56,7 @@ from pipeline.kafka_client import kafka_config
 from pipeline.operator import KIND_LATE, KIND_MALFORMED, KIND_RESULT, KIND_WATERMARK
 from pipeline.protocol import CommitMarker, eviction_entries
 from pipeline.protocol_codec import marker_to_json
-from pipeline.signing import sign
+from pipeline.signing import produce_signed
 from pipeline.spill import SpillChoice, choose_spills, spilled_of
 from pipeline.topics import broker_away, partition_offsets
 
@@ -418,8 +418,7 @@ class ExactlyOnceSink:
 
     def _produce_signed(self, topic: str, record: Mapping[str, Any]) -> None:
         """One record of this batch's transaction, under the instance's key and signed when it has one."""
-        value = json.dumps(record).encode()
-        self.producer.produce(topic, key=self.instance, value=value, headers=sign(topic, value))
+        produce_signed(self.producer, topic, self.instance, json.dumps(record).encode())
 
     def _metrics(
         self,

@@ -54,7 +54,7 @@ from pipeline.kafka_reader import (
 )
 from pipeline.protocol import ReleasedMsg
 from pipeline.rows import DROP_ROW, SOURCE_SCHEMA, SPILL_ROW, WATERMARK_ROW, WINDOW_ROW
-from pipeline.signing import sign
+from pipeline.signing import produce_signed
 from pipeline.spill import Cleanup, CleanupWhen, Spill, cleanups_of, old_generation_gone, spilled_of
 
 log = logging.getLogger(__name__)
@@ -526,8 +526,8 @@ def report_reading(
             {"pid": p, "stream": j, "in": n, "newest_ms": t} for (p, j), (n, t) in sorted(read.items())
         ],
     }
-    producer, value = _producer(bootstrap), json.dumps(record).encode()
-    producer.produce(report.topic, key=report.instance, value=value, headers=sign(report.topic, value))
+    producer = _producer(bootstrap)
+    produce_signed(producer, report.topic, report.instance, json.dumps(record).encode())
     producer.flush(5)
 
 
