@@ -165,9 +165,12 @@ def _instance_pods_ready(kube: Kube, replicas: int) -> bool:
     return len(pods) == replicas and all(pod_ready(p) for p in pods)
 
 
-def _job(kube: Kube, name: str, container: dict[str, Any]) -> dict[str, Any]:
+def _job(
+    kube: Kube, name: str, container: dict[str, Any], pod: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Run `container` (the image, the generator's configuration mounted at /etc/fluxjoin) as a Job in the
-    cluster, as a non-root user; the last JSON line of its log."""
+    cluster, as a non-root user, with `pod`'s fields over the pod's (its volumes, its security context);
+    the last JSON line of its log."""
     manifest = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -188,6 +191,7 @@ def _job(kube: Kube, name: str, container: dict[str, Any]) -> dict[str, Any]:
                         }
                     ],
                     "volumes": [{"name": "config", "configMap": {"name": f"{PIPELINE}-generator"}}],
+                    **(pod or {}),
                 }
             },
         },
@@ -478,35 +482,13 @@ def test_helm_install_on_a_kafka_with_tls_scram_and_acls_stays_exact(kube: Kube,
         # restarted on the way (its checkpoint resumes), so the oracle is asked for longer.
         verdict: dict[str, Any] = {}
         for attempt in range(1, 16):
-            manifest = {
-                "apiVersion": "batch/v1",
-                "kind": "Job",
-                "metadata": {"name": f"secured-oracle-{attempt}"},
-                "spec": {
-                    "backoffLimit": 0,
-                    "template": {
-                        "spec": {
-                            "restartPolicy": "Never",
-                            "securityContext": generator.get("securityContext", {}),
-                            "containers": [
-                                {
-                                    "name": "oracle",
-                                    "image": f"{IMAGE}:{TAG}",
-                                    "imagePullPolicy": "Never",
-                                    "args": ["verify", "--config", "/etc/fluxjoin/fluxjoin.yaml", "--json"],
-                                    "env": [
-                                        e for e in container["env"] if e["name"].startswith("FLUXJOIN_KAFKA_")
-                                    ],
-                                    "volumeMounts": container["volumeMounts"],
-                                }
-                            ],
-                            "volumes": generator["volumes"],
-                        }
-                    },
-                },
+            oracle = {
+                "args": ["verify", "--config", "/etc/fluxjoin/fluxjoin.yaml", "--json"],
+                "env": [e for e in container["env"] if e["name"].startswith("FLUXJOIN_KAFKA_")],
+                "volumeMounts": container["volumeMounts"],
             }
-            _, log = run_job(kube, f"secured-oracle-{attempt}", manifest, timeout_s=600)
-            verdict = last_json_line(log)
+            pod = {"securityContext": generator.get("securityContext", {}), "volumes": generator["volumes"]}
+            verdict = _job(kube, f"secured-oracle-{attempt}", oracle, pod)
             say(f"secured oracle attempt {attempt}: {json.dumps({k: verdict.get(k) for k in ORACLE_COUNTS})}")
             if verdict.get("exact"):
                 break
