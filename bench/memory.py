@@ -9,8 +9,9 @@ productive pids first, Liu and Rundensteiner's choice; `spill-most-productive`: 
 comparison), with active clean-up (a spilled pid cleaned up once its old generation has left the window,
 and spilled again if need be) or lazy (once the input has ended, as theirs is). Per variant: how
 long the squeezed instance stays over its budget, the peak of state over budget per instance after the
-squeeze, the pids moved, the results made while the input flowed and in all, the clean-up's work and
-time, and the oracle's counts. An instance that exits fails the run.
+squeeze and once the squeezed instance has had a batch to answer it, the pids moved, the results made
+while the input flowed and in all, the clean-up's work and time, and the oracle's counts. An instance
+that exits fails the run.
 """
 
 from __future__ import annotations
@@ -111,14 +112,37 @@ def over_budget_s(records: Sequence[dict[str, Any]], instance: str, from_ms: flo
     return round((over[-1]["time_ms"] - from_ms) / 1000, 1)
 
 
-def peak_fill(records: Sequence[dict[str, Any]], from_ms: float) -> dict[str, float]:
-    """Per instance, the largest state over budget of its batches from `from_ms`."""
+def peak_fill(
+    records: Sequence[dict[str, Any]], from_ms: float, until_ms: float = float("inf")
+) -> dict[str, float]:
+    """Per instance, the largest state over budget of its batches from `from_ms` to `until_ms`."""
     peaks: dict[str, float] = {}
     for r in records:
-        if r.get("kind") == "batch" and r["time_ms"] >= from_ms and r["state_budget_bytes"] > 0:
+        if r.get("kind") != "batch" or not from_ms <= r["time_ms"] <= until_ms:
+            continue
+        if r["state_budget_bytes"] > 0:
             fill = r["state_bytes"] / r["state_budget_bytes"]
             peaks[r["instance"]] = round(max(peaks.get(r["instance"], 0.0), fill), 3)
     return dict(sorted(peaks.items()))
+
+
+def fill_at_the_end(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Per instance, its newest batch's state over budget: after the clean-ups, which bring spilled
+    windows back into memory (docs/memory.md)."""
+    newest = {r["instance"]: r for r in records if r.get("kind") == "batch" and r["state_budget_bytes"] > 0}
+    return {i: round(r["state_bytes"] / r["state_budget_bytes"], 3) for i, r in sorted(newest.items())}
+
+
+def answered_at(records: Sequence[dict[str, Any]], instance: str, from_ms: float) -> float:
+    """When the instance's first batch after `from_ms` committed: the batch that learned of the new
+    budget, and whose state an instance can only answer in the batches after it (a spill is planned by
+    the next batch; a move takes longer)."""
+    mine = [
+        r["time_ms"]
+        for r in records
+        if r.get("kind") == "batch" and r["instance"] == instance and r["time_ms"] >= from_ms
+    ]
+    return min(mine, default=float("inf"))
 
 
 def results_until(records: Sequence[dict[str, Any]], until_ms: float) -> int:
@@ -208,6 +232,10 @@ def run_variant(
         "squeezed_budget_bytes": budget,
         "over_budget_s": over_budget_s(records, SQUEEZED, after),
         "peak_fill_after_squeeze": peak_fill(records, after),
+        "peak_fill_once_answered": peak_fill(
+            records, answered_at(records, SQUEEZED, after) + 1, input_end_ms
+        ),
+        "fill_at_the_end": fill_at_the_end(records),
         "moves": moved_pids(decisions),
         "results_during_input": results_until(records, input_end_ms),
         "results": sum(int(r["results"]) for r in records if r.get("kind") == "batch"),
@@ -282,6 +310,9 @@ def run_memory_bench(
     if least and most:  # Liu and Rundensteiner: spilling the least productive leaves less to clean up
         summary["cleanup_tuples_most_over_least"] = ratio_to(most["cleanup_tuples"], least["cleanup_tuples"])
         summary["cleanup_s_most_over_least"] = ratio_to(most["cleanup_s"], least["cleanup_s"])
+        summary["cleanup_results_most_over_least"] = ratio_to(
+            most["cleanup_results"], least["cleanup_results"]
+        )
     save_report(run.run_id, "memory", summary, say)
     plot_results(run.run_id, summary, say)
     return summary

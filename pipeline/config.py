@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipeline.spill import CleanupWhen, SpillChoice
 
+MAX_STREAMS = 8
+"""Streams one join may have: the `stream` column's codes (`pipeline.rows`) leave room for this many."""
+
 
 class ConfigError(ValueError):
     """Raised for an invalid configuration file or override; the message is meant for the user."""
@@ -295,7 +298,7 @@ class PolicyConfig(_Strict):
 class Config(_Strict):
     pipeline: str = Field("fluxjoin", pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,100}$")
     bootstrap: str | None = None
-    streams: list[str] = Field(default_factory=lambda: ["A", "B", "C"], min_length=2, max_length=8)
+    streams: list[str] = Field(default_factory=lambda: ["A", "B", "C"], min_length=2, max_length=MAX_STREAMS)
     window_ms: int = Field(10_000, gt=0)
     allowed_lateness_ms: int = Field(2_000, ge=0)
     partitions: int = Field(64, ge=1, le=4096)

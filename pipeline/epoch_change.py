@@ -155,7 +155,7 @@ def change_epoch(
             keep[s][str(p)] = handoff.cutoff[s]
         rules = MODE_RULES[handoff.mode]
         # a pid its dead owner had spilled: the window at the spill point (`pipeline.spill`)
-        rebuilt_at = handoff.spilled if handoff.spilled is not None else handoff.cutoff
+        rebuilt_at = handoff.spilled[0] if handoff.spilled else handoff.cutoff
         replay = facts.replay_from(p, rebuilt_at) if rules.receiver_rebuilds_from_log else None
         acquired[p] = Acquire(handoff, replay)
         if rules.sender_keeps_window:  # the new side of an overlap: only results of new tuples

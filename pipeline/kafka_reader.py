@@ -24,12 +24,14 @@ from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
 from pipeline.protocol import Snapshot
 from pipeline.rows import (
     ARROW_SCHEMA,
+    CODE,
     CROSS_ROW,
     MALFORMED_STREAM,
     RELEASE_ROW,
     SILENT_ROW,
     WATERMARK_ROW,
     WINDOW_ROW,
+    cross_row,
     pid_rows,
 )
 
@@ -60,6 +62,8 @@ class PidRange:
     start: int
     end: int
     kind: RangeKind = RangeKind.INPUT
+    generation: int = 0
+    """For a CROSS range, which later generation of a spilled pid it is (0: the first after the spill)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,19 +81,19 @@ def handoff_rows(bootstrap: str, work: HandoffWork, streams: int) -> Iterator[pa
     from pipeline.join import window_from_bytes
 
     for pid, export in work.releases:
-        yield pid_rows(pid, np.array([RELEASE_ROW], np.int8), [0], [int(export)], [0])
+        yield pid_rows(pid, np.array([RELEASE_ROW], CODE), [0], [int(export)], [0])
     for pid, snapshot in work.snapshots:
         window = window_from_bytes(read_snapshot(bootstrap, snapshot))
         if window.parts and len(window.parts) != streams:
             raise ValueError(f"snapshot of pid {pid} has {len(window.parts)} streams, expected {streams}")
         for j, part in enumerate(window.parts):
             if len(part):
-                kinds = np.full(len(part), WINDOW_ROW + j, np.int8)
+                kinds = np.full(len(part), WINDOW_ROW + j, CODE)
                 yield pid_rows(pid, kinds, part.ids, part.keys, part.ts)
         n = len(window.stream_max)
-        yield pid_rows(pid, np.full(n, WATERMARK_ROW, np.int8), np.arange(n), np.zeros(n), window.stream_max)
+        yield pid_rows(pid, np.full(n, WATERMARK_ROW, CODE), np.arange(n), np.zeros(n), window.stream_max)
     for pid, code, i, key, ts in work.markers:
-        yield pid_rows(pid, np.array([code], np.int8), [i], [key], [ts])
+        yield pid_rows(pid, np.array([code], CODE), [i], [key], [ts])
 
 
 def read_snapshot(bootstrap: str, snapshot: Snapshot) -> bytes:
@@ -287,8 +291,8 @@ def _to_arrow(
     keys = [c[1] for c in cols] + [np.full(len(bad), r.stream_index, dtype=np.int64)]
     ts = [c[2] for c in cols] + [np.array([code for _, code in bad], dtype=np.int64)]
     n_good = sum(len(c[0]) for c in cols)
-    code = r.stream_index + r.kind
-    stream = np.full(n_good + len(bad), code, dtype=np.int8)
+    code = cross_row(r.generation, r.stream_index) if r.kind is RangeKind.CROSS else r.stream_index + r.kind
+    stream = np.full(n_good + len(bad), code, dtype=CODE)
     stream[n_good:] = MALFORMED_STREAM
     return pa.RecordBatch.from_arrays(
         [

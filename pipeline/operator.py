@@ -50,6 +50,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from pipeline.codec import encode_results
+from pipeline.config import MAX_STREAMS
 from pipeline.join import (
     PROGRESS_ID,
     Part,
@@ -74,6 +75,7 @@ from pipeline.rows import (
     TRACK_ROW,
     WATERMARK_ROW,
     WINDOW_ROW,
+    cross_row,
 )
 
 (
@@ -191,14 +193,16 @@ def make_join_function(
 
         if (stream_col == SPILL_ROW).any():  # the old generation leaves memory; lateness goes on as before
             window = replace(WindowState.empty(streams), stream_max=window.stream_max)
-        cross = (stream_col >= CROSS_ROW) & (stream_col < CROSS_ROW + streams)
-        cleaned = 0
-        if cross.any():  # a clean-up: the window at the spill point, installed above, and the new generation
-            old_side = join_step(begin_old_track(window), rows_of(CROSS_ROW), window_ms, allowed_lateness_ms)
-            for chunk in old_side.results:  # only results with an old tuple: the rest were produced
-                cleaned += len(chunk)
-                yield _result_frame(pid, chunk, streams)
-            window = replace(old_side.state, old=None)  # the whole window, as if it had never spilled
+        cross = stream_col >= CROSS_ROW
+        if cross.any():  # a clean-up: the window at the first spill point, installed above, then each
+            cleaned = 0  # later generation joined with the ones before it only: the rest were produced
+            for g in sorted({int(c) for c in (stream_col[cross] - CROSS_ROW) // MAX_STREAMS}):
+                gen = rows_of(cross_row(g, 0))
+                old_side = join_step(begin_old_track(window), gen, window_ms, allowed_lateness_ms)
+                for chunk in old_side.results:
+                    cleaned += len(chunk)
+                    yield _result_frame(pid, chunk, streams)
+                window = replace(old_side.state, old=None)  # the generations up to g, as one window
             yield _frame(KIND_CLEANED, pid, int(cross.sum()), 0, cleaned, [0] * streams, 1)
 
         zeros = [0] * (streams - 1)

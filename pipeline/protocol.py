@@ -115,10 +115,11 @@ class Handoff:
     # parallel_track recovery: the overlap began at `since`; [since, cutoff) is re-read silently (processed
     # as the dead instance processed it, emitting nothing) before reading on from the cutoff.
     since: Mapping[str, int] | None = None
-    # replay recovery of a pid whose old generation the dead instance had spilled (`pipeline.spill`):
-    # the window is rebuilt at `spilled`, and [spilled, cutoff) re-read joined with it only, which makes
-    # the results spanning the generations that the dead instance never made.
-    spilled: Mapping[str, int] | None = None
+    # replay recovery of a pid whose old generations the dead instance had spilled (`pipeline.spill`):
+    # the window is rebuilt at the first spill point, and each later generation up to the cutoff re-read
+    # joined with the ones before it only, which makes the results spanning the generations that the
+    # dead instance never made.
+    spilled: tuple[Mapping[str, int], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -262,9 +263,9 @@ class CommitMarker:
     epoch: int
     offsets: Mapping[str, Mapping[int, int]]  # stream -> pid -> next offset to read
     time_ms: int
-    # pid -> where its new generation began, for each pid whose old generation is out of memory
-    # (`pipeline.spill`): a recovery re-reads the generations from there and makes what spans them.
-    spilled: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
+    # pid -> where each of its later generations began, for each pid whose old generations are out of
+    # memory (`pipeline.spill`): a recovery re-reads the generations from there and makes what spans them.
+    spilled: Mapping[int, tuple[Mapping[str, int], ...]] = field(default_factory=dict)
 
     def pids(self) -> frozenset[int]:
         """The pids the batch held (every stream lists the same)."""

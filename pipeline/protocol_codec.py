@@ -53,7 +53,7 @@ def handoff_to_json(h: Handoff) -> dict[str, Any]:
         "snapshot": snapshot_to_json(h.snapshot),
         "stream_max": list(h.stream_max) if h.stream_max is not None else None,
         "since": dict(h.since) if h.since is not None else None,
-        **({"spilled": dict(h.spilled)} if h.spilled is not None else {}),
+        **({"spilled": [dict(c) for c in h.spilled]} if h.spilled is not None else {}),
     }
 
 
@@ -65,7 +65,7 @@ def handoff_from_json(d: dict[str, Any]) -> Handoff:
         snapshot=snapshot_from_json(d.get("snapshot")),
         stream_max=_stream_max(d.get("stream_max")),
         since={s: int(o) for s, o in d["since"].items()} if d.get("since") is not None else None,
-        spilled={s: int(o) for s, o in d["spilled"].items()} if d.get("spilled") is not None else None,
+        spilled=_spill_points(d["spilled"]) if d.get("spilled") is not None else None,
     )
 
 
@@ -243,6 +243,13 @@ def _decoded(kind: type[M], d: Any) -> M:
     return msg
 
 
+def _spill_points(found: Any) -> tuple[dict[str, int], ...]:
+    """A pid's spill points, oldest first: a list, or the one mapping written before a pid could spill
+    again (`pipeline.spill`)."""
+    points = [found] if isinstance(found, dict) else found
+    return tuple({s: int(o) for s, o in c.items()} for c in points)
+
+
 def marker_to_json(m: CommitMarker) -> dict[str, Any]:
     return {
         "instance": m.instance,
@@ -251,7 +258,7 @@ def marker_to_json(m: CommitMarker) -> dict[str, Any]:
         "epoch": m.epoch,
         "offsets": {s: {str(p): o for p, o in by_pid.items()} for s, by_pid in m.offsets.items()},
         "time_ms": m.time_ms,
-        **({"spilled": {str(p): dict(c) for p, c in m.spilled.items()}} if m.spilled else {}),
+        **({"spilled": {str(p): [dict(c) for c in cs] for p, cs in m.spilled.items()}} if m.spilled else {}),
     }
 
 
@@ -263,7 +270,7 @@ def marker_from_json(d: dict[str, Any]) -> CommitMarker:
         epoch=int(d["epoch"]),
         offsets={s: {int(p): int(o) for p, o in by_pid.items()} for s, by_pid in d["offsets"].items()},
         time_ms=int(d["time_ms"]),
-        spilled={int(p): {s: int(o) for s, o in c.items()} for p, c in d.get("spilled", {}).items()},
+        spilled={int(p): _spill_points(c) for p, c in d.get("spilled", {}).items()},
     )
 
 

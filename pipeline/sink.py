@@ -56,6 +56,7 @@ from pipeline.kafka_client import kafka_config
 from pipeline.operator import KIND_LATE, KIND_MALFORMED, KIND_RESULT, KIND_WATERMARK
 from pipeline.protocol import CommitMarker, eviction_entries
 from pipeline.protocol_codec import marker_to_json
+from pipeline.rows import MAX_SPILLS
 from pipeline.signing import produce_signed
 from pipeline.spill import SpillChoice, choose_spills, spilled_of
 from pipeline.topics import broker_away, partition_offsets
@@ -131,6 +132,8 @@ class ExactlyOnceSink:
         self.watermarks_path.unlink(missing_ok=True)
         self._watermarks: dict[int, tuple[int, ...]] = {}
         self._last_lag: dict[str, int] = {}
+        self._read_to: dict[tuple[str, str], int] = {}
+        """Where the previous batch's input ended, per (stream, pid): what a batch read, in messages."""
         # Kept across restarts: it describes the workload, not this incarnation's state.
         self.recent_yields_path = recent_yields
         self._recent_yields: dict[int, deque[tuple[int, int]]] = {}
@@ -230,12 +233,15 @@ class ExactlyOnceSink:
 
     def _note_spills(self, offsets: dict[str, Any], metrics: BatchRecord) -> None:
         """Ask the next batch to spill pids while the windows hold more than the spill threshold of the
-        budget (`pipeline.spill.choose_spills`): pids spilled already, or in a move or an overlap, are
-        not candidates. The next batch's plan decides (`FluxjoinStreamReader`), and Spark logs it."""
+        budget (`pipeline.spill.choose_spills`): pids in a move or an overlap, or spilled `MAX_SPILLS`
+        times already, are not candidates; a spilled pid's newest generation is one. The next batch's
+        plan decides (`FluxjoinStreamReader`), and Spark logs it."""
         settings = self.cfg.instance
         if self.spill_requests_path is None or settings.spill_threshold <= 0:
             return
-        busy = {*spilled_of(offsets), *tracking_of(offsets), *released_of(offsets), *acquired_of(offsets)}
+        spilled = spilled_of(offsets)
+        busy = {*tracking_of(offsets), *released_of(offsets), *acquired_of(offsets)}
+        busy |= {p for p, spill in spilled.items() if len(spill.cutoffs) >= MAX_SPILLS}
         recent = {p: sum(r for _, r in batches) for p, batches in self._recent_yields.items()}
         chosen = choose_spills(
             self._held,
@@ -245,8 +251,23 @@ class ExactlyOnceSink:
             settings.spill_fraction,
             SpillChoice(settings.spill_choice),
             [p for p in self._held if p not in busy],
+            incoming=self._incoming_bytes(offsets["offsets"], metrics),
         )
         write_spill_requests(self.spill_requests_path, {p: self._held[p] for p in chosen})
+
+    def _incoming_bytes(self, ends: Mapping[str, Mapping[str, int]], metrics: BatchRecord) -> int:
+        """What the next batch is expected to add to the windows: the input waiting beyond this batch
+        now (`lag`, in messages, at the tuples per message this batch read), or as much as this batch
+        read if more, at the bytes per window tuple its pids hold."""
+        read_to = {(s, p): o for s, by_pid in ends.items() for p, o in by_pid.items()}
+        read = sum(o - self._read_to[k] for k, o in read_to.items() if k in self._read_to)
+        self._read_to = read_to
+        tuples_in = metrics["tuples_in"]
+        waiting = sum(metrics["lag"].values()) * tuples_in // read if read > 0 else 0
+        figures = metrics["pids"].values()
+        window_tuples = sum(f["window_tuples"] for f in figures)
+        held = sum(f["state_bytes"] for f in figures)
+        return max(tuples_in, waiting) * held // window_tuples if window_tuples else 0
 
     def _warn_hot(self, metrics: BatchRecord) -> None:
         """Name the pid and key behind a batch that made a large share of the results bound: later
@@ -365,7 +386,7 @@ class ExactlyOnceSink:
             epoch=int(offsets["epoch"]),
             offsets={s: {int(p): o for p, o in by_pid.items()} for s, by_pid in offsets["offsets"].items()},
             time_ms=int(time.time() * 1000),
-            spilled={p: spill.cutoff for p, spill in spilled_of(offsets).items()},
+            spilled={p: spill.cutoffs for p, spill in spilled_of(offsets).items()},
         )
         self._produce_signed(self.cfg.sink_commits_topic, marker_to_json(marker))
         metrics = self._metrics(batch_id, offsets, columns, kind, started, results, late, malformed, ready)

@@ -53,7 +53,7 @@ from pipeline.kafka_reader import (
     read_ranges,
 )
 from pipeline.protocol import ReleasedMsg
-from pipeline.rows import DROP_ROW, SOURCE_SCHEMA, SPILL_ROW, WATERMARK_ROW, WINDOW_ROW
+from pipeline.rows import DROP_ROW, MAX_SPILLS, SOURCE_SCHEMA, SPILL_ROW, WATERMARK_ROW, WINDOW_ROW
 from pipeline.signing import produce_signed
 from pipeline.spill import Cleanup, CleanupWhen, Spill, cleanups_of, old_generation_gone, spilled_of
 
@@ -267,19 +267,25 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             if not self._cleanup_due(p, spill, begin, p in busy or str(p) not in held, noted):
                 carried[p] = spill
                 continue
-            replay_from = self.facts.replay_from(p, spill.cutoff)
-            cleanups[p] = Cleanup(replay_from, spill.cutoff, begin)
+            replay_from = self.facts.replay_from(p, spill.cutoffs[0])
+            cleanups[p] = Cleanup(replay_from, spill.cutoffs, begin)
             markers.append((p, DROP_ROW, 0, 0, 0))  # the new generation: the clean-up rebuilds it whole
             if spill.stream_max is not None:
                 markers.extend((p, WATERMARK_ROW, j, 0, t) for j, t in enumerate(spill.stream_max))
         for p, state_bytes in sorted(asked.items()):
-            if p in spilled or p in busy or str(p) not in held or str(p) not in before.get(first, {}):
+            if p in cleanups or p in busy or str(p) not in held or str(p) not in before.get(first, {}):
                 continue
             cutoff = {s: before[s][str(p)] for s in self.streams}
             if self._idle(p, cutoff):  # its clean-up would be due at once: spilling it frees nothing
                 continue
-            stream_max = stream_max_at(noted, p, cutoff)
-            carried[p] = Spill(cutoff, state_bytes, list(stream_max) if stream_max is not None else None)
+            at = stream_max_at(noted, p, cutoff)
+            stream_max = list(at) if at is not None else None
+            if p not in carried:
+                carried[p] = Spill((cutoff,), state_bytes, stream_max)
+            elif len(carried[p].cutoffs) < MAX_SPILLS and cutoff not in carried[p].cutoffs:
+                carried[p] = carried[p].again(cutoff, state_bytes, stream_max)  # its newest generation too
+            else:
+                continue
             markers.append((p, SPILL_ROW, 0, 0, 0))
         out = {k: v for k, v in plan.items() if k not in ("spilled", "cleanups")} | {"markers": markers}
         if carried:
@@ -304,11 +310,12 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         memory (`pipeline.spill.CleanupWhen`)."""
         if leaving or self._idle(p, begin):
             return True
-        if self.spill_cleanup is CleanupWhen.LAZY or spill.stream_max is None:
+        last = spill.last_max
+        if self.spill_cleanup is CleanupWhen.LAZY or last is None:
             return False
         now = stream_max_at(noted, p, begin)
         window_ms, lateness_ms = self.facts.window_ms, self.facts.lateness_ms
-        return now is not None and old_generation_gone(spill.stream_max, now, window_ms, lateness_ms)
+        return now is not None and old_generation_gone(last, now, window_ms, lateness_ms)
 
     def _read_to_cutoff(self, start: dict, released: Mapping[int, Release]) -> list[int]:
         """The released pids this batch reads on up to their cutoff, like every held pid: transfers
@@ -428,28 +435,38 @@ class FluxjoinStreamReader(DataSourceStreamReader):
                 snapshots.append((p, handoff.snapshot))
             # after the window: input a dead old side processed, or a dead owner's spilled pid's new
             # generation, joined with the old one only (`pipeline.spill`)
-            window_end, after = handoff.since, RangeKind.SILENT
-            if window_end is None:
-                window_end, after = handoff.spilled or handoff.cutoff, RangeKind.CROSS
+            if handoff.spilled:
+                assert a.replay_from is not None, "a dead owner's spilled pid is replayed"
+                replays += self._generations(p, Cleanup(a.replay_from, handoff.spilled, handoff.cutoff))
+                continue
+            window_end = handoff.since or handoff.cutoff
             for i, s in enumerate(self.streams):
                 pid_range = partial(PidRange, i, self.topics[i], p)
                 if a.replay_from is not None and a.replay_from[s] < window_end[s]:
                     replays.append(pid_range(a.replay_from[s], window_end[s], RangeKind.WINDOW))
                 if window_end[s] < handoff.cutoff[s]:
-                    replays.append(pid_range(window_end[s], handoff.cutoff[s], after))
+                    replays.append(pid_range(window_end[s], handoff.cutoff[s], RangeKind.SILENT))
         for p, c in cleanups_of(end).items():  # a spilled pid's generations, before its new input
-            for i, s in enumerate(self.streams):
-                pid_range = partial(PidRange, i, self.topics[i], p)
-                if c.replay_from[s] < c.cutoff[s]:
-                    replays.append(pid_range(c.replay_from[s], c.cutoff[s], RangeKind.WINDOW))
-                if c.cutoff[s] < c.to[s]:
-                    replays.append(pid_range(c.cutoff[s], c.to[s], RangeKind.CROSS))
+            replays += self._generations(p, c)
         markers = tuple(markers_of(end))
         if releases or snapshots or replays or markers:  # with the first task's reads: a task is a round trip
             first = tasks[0].ranges if tasks else []
             work = HandoffWork(releases, tuple(snapshots), markers)
             tasks[:1] = [KafkaPidPartition([*first, *replays], self.partition_count, work, self.report)]
         return tasks
+
+    def _generations(self, p: int, c: Cleanup) -> list[PidRange]:
+        """The ranges that rebuild spilled pid `p` (`pipeline.spill`): its window at the first spill
+        point, installed, then each later generation, joined with the ones before it only."""
+        ranges = []
+        for i, s in enumerate(self.streams):
+            pid_range = partial(PidRange, i, self.topics[i], p)
+            if c.replay_from[s] < c.cutoffs[0][s]:
+                ranges.append(pid_range(c.replay_from[s], c.cutoffs[0][s], RangeKind.WINDOW))
+            for g, (a, b) in enumerate(c.generations(s)):
+                if a < b:
+                    ranges.append(pid_range(a, b, RangeKind.CROSS, g))
+        return ranges
 
     def _announce_releases(self, epoch: int, released: Mapping[int, Release], tracks: bool) -> None:
         """Publish `Released` for the moves out this plan makes, before the batch commits: replays as

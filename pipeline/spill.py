@@ -4,13 +4,20 @@ as pure rules: which pids spill, what a batch's plan carries about them, and whe
 A spilled pid's old generation goes back to the input log, not to a disk: the plan records its spill
 point (per stream, the offset where the new generation begins) and the window leaves memory (a
 `SPILL_ROW` marker; the window's `stream_max` stays, so lateness is judged as before). New tuples form a
-new generation that joins only with itself. Every result of old tuples only was produced before the
-spill, every result of new tuples only is produced as usual; what is missing is exactly the results
-with at least one old and one new tuple. Clean-up produces those, once, in one batch: it drops the new
-generation, rebuilds the window at the spill point from the log (`InputFacts.replay_from`), and re-reads
-the new generation from the spill point to where the batch begins, joined with the old tuples only (a
-parallel track's old side, `join.begin_old_track`). What that leaves is the whole window, as if the pid
-had never spilled, and the batch goes on from there. docs/memory.md says why the log and not a disk.
+new generation that joins only with itself. Every result within one generation is produced as usual;
+what is missing is exactly the results whose tuples span generations. A new generation that outgrows
+memory in turn spills again: the plan adds a spill point, and a third generation begins (Liu and
+Rundensteiner's repeated spills of one partition group; without them a spilled pid's new generation
+grows back to a whole window within W, and spilling cannot hold a join under a budget below its working
+set).
+
+Clean-up produces the missing results, once, in one batch: it drops the newest generation, rebuilds the
+window at the first spill point from the log (`InputFacts.replay_from`), then re-reads each later
+generation in order, joined with the window of the generations before it only (a parallel track's old
+side, `join.begin_old_track`), which then takes it in. A result whose newest tuple is of generation g
+and which spans generations is made exactly once, by generation g's re-read. What is left is the whole
+window, as if the pid had never spilled, and the batch goes on from there. docs/memory.md says why the
+log and not a disk.
 
 Clean-up always runs before a spilled pid leaves the instance (a release or the start of an overlap
 in the same batch), so a spill point never travels with a handoff.
@@ -47,49 +54,83 @@ class SpillChoice(str, Enum):
     """The reverse order, for the paper's comparison only."""
 
 
+Cutoff = Mapping[str, int]
+"""Per stream, the offset of a generation's first tuple."""
+
+
+def _cutoffs(d: Mapping[str, Any]) -> tuple[Cutoff, ...]:
+    """A plan's spill points: `cutoffs`, or the one `cutoff` plans held before a pid could spill again."""
+    found = d["cutoffs"] if "cutoffs" in d else [d["cutoff"]]
+    return tuple({s: int(o) for s, o in c.items()} for c in found)
+
+
 @dataclass(frozen=True, slots=True)
 class Spill:
-    """A pid whose old generation is out of memory, carried in every batch's plan until its clean-up."""
+    """A pid whose old generations are out of memory, carried in every batch's plan until its clean-up."""
 
-    cutoff: dict[str, int]
-    """Per stream, where the new generation begins: the offset of its first tuple."""
+    cutoffs: tuple[Cutoff, ...]
+    """Where each generation after the first begins, oldest first: one spill point per spill. A spilled
+    pid whose new generation outgrows memory again spills again (up to `rows.MAX_SPILLS` times)."""
     state_bytes: int
-    """What the window held when it left memory (as the batch before the spill reported it)."""
+    """What its windows held when they left memory (as the batch before each spill reported it)."""
     stream_max: list[int] | None
-    """The window's `stream_max` at the spill point, when the sink noted it: clean-up is free of memory
-    once the new generation's input has moved every old tuple out of the window."""
+    """The window's `stream_max` at the first spill point, when the sink noted it: the rebuilt window's."""
+    newest_max: list[int] | None = None
+    """The same at the newest spill point, when the pid spilled again (else `stream_max`): clean-up is
+    free of memory once the newest generation's input has moved every older tuple out of the window."""
+
+    @property
+    def last_max(self) -> list[int] | None:
+        return self.newest_max if len(self.cutoffs) > 1 else self.stream_max
+
+    def again(self, cutoff: Cutoff, state_bytes: int, stream_max: list[int] | None) -> Spill:
+        """The same pid spilled once more at `cutoff`: its newest generation leaves memory too."""
+        return Spill((*self.cutoffs, cutoff), self.state_bytes + state_bytes, self.stream_max, stream_max)
 
     def to_json(self) -> dict[str, Any]:
-        return {"cutoff": self.cutoff, "state_bytes": self.state_bytes, "stream_max": self.stream_max}
+        cutoffs = [dict(c) for c in self.cutoffs]
+        out = {"cutoffs": cutoffs, "state_bytes": self.state_bytes, "stream_max": self.stream_max}
+        return out | ({"newest_max": self.newest_max} if len(self.cutoffs) > 1 else {})
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Spill:
-        stream_max = d.get("stream_max")
+        def times(key: str) -> list[int] | None:
+            found = d.get(key)
+            return [int(t) for t in found] if found is not None else None
+
         return cls(
-            cutoff={s: int(o) for s, o in d["cutoff"].items()},
+            cutoffs=_cutoffs(d),
             state_bytes=int(d.get("state_bytes", 0)),
-            stream_max=[int(t) for t in stream_max] if stream_max is not None else None,
+            stream_max=times("stream_max"),
+            newest_max=times("newest_max"),
         )
 
 
 @dataclass(frozen=True, slots=True)
 class Cleanup:
-    """A spilled pid's clean-up in this batch: the window at the spill point rebuilt from `replay_from`
-    up to `cutoff`, then the new generation re-read from `cutoff` up to `to` (where this batch begins
-    reading the pid) and joined with the old tuples only."""
+    """A spilled pid's clean-up in this batch: the window at the first spill point rebuilt from
+    `replay_from`, then each later generation re-read in turn, from its cutoff up to the next one (the
+    last up to `to`, where this batch begins reading the pid), joined with the generations before it
+    only (`generations`)."""
 
-    replay_from: dict[str, int]
-    cutoff: dict[str, int]
-    to: dict[str, int]
+    replay_from: Cutoff
+    cutoffs: tuple[Cutoff, ...]
+    to: Cutoff
+
+    def generations(self, stream: str) -> list[tuple[int, int]]:
+        """Per generation after the first, its offsets [from, to) in `stream`."""
+        ends = [*(c[stream] for c in self.cutoffs[1:]), self.to[stream]]
+        return [(c[stream], e) for c, e in zip(self.cutoffs, ends, strict=True)]
 
     def to_json(self) -> dict[str, Any]:
-        return {"replay_from": self.replay_from, "cutoff": self.cutoff, "to": self.to}
+        cutoffs = [dict(c) for c in self.cutoffs]
+        return {"replay_from": dict(self.replay_from), "cutoffs": cutoffs, "to": dict(self.to)}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Cleanup:
         return cls(
             replay_from={s: int(o) for s, o in d["replay_from"].items()},
-            cutoff={s: int(o) for s, o in d["cutoff"].items()},
+            cutoffs=_cutoffs(d),
             to={s: int(o) for s, o in d["to"].items()},
         )
 
@@ -110,13 +151,21 @@ def choose_spills(
     fraction: float,
     choice: SpillChoice,
     candidates: Sequence[int],
+    incoming: int = 0,
 ) -> list[int]:
-    """The pids to spill when the windows hold more than `threshold` of `budget`: about `fraction` of
-    what they hold, whole pids from `candidates` in the order `choice` says (ties by pid). `held` is
-    each pid's window in bytes, `results` what it produced lately. Empty when under the threshold."""
+    """The pids to spill when the windows, with the `incoming` bytes the next batch is expected to
+    add, would hold more than `threshold` of `budget`: about `fraction` of what they hold, or more
+    when that would leave them over the threshold (a budget cut to half what the windows hold is
+    answered in one batch), whole pids from `candidates` in the order `choice` says (ties by pid).
+    `held` is each pid's window in bytes, `results` what it produced lately. Empty when under the
+    threshold.
+
+    Why `incoming`: the spill is planned by the next batch, which adds its input to the windows that
+    stay; spilling down to the threshold of what they hold now would leave a batch of input over it."""
     total = sum(held.values())
-    if budget <= 0 or threshold <= 0 or total <= threshold * budget:
+    if budget <= 0 or threshold <= 0 or total + incoming <= threshold * budget:
         return []
+    to_free = max(fraction * total, total + incoming - threshold * budget)
 
     def productivity(p: int) -> float:
         return results.get(p, 0) / held[p]
@@ -126,7 +175,7 @@ def choose_spills(
         order = sorted(order, key=lambda p: (-productivity(p), p))
     chosen, freed = [], 0
     for p in order:
-        if freed >= fraction * total:
+        if freed >= to_free:
             break
         chosen.append(p)
         freed += held[p]

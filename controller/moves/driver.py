@@ -37,6 +37,8 @@ from pipeline.protocol import (
 
 Markers = Mapping[str, Mapping[int, Mapping[str, int]]]
 """Each instance's newest commit marker: pid -> stream -> the end offset of its newest committed batch."""
+SpillPoints = Mapping[str, Mapping[int, tuple[Mapping[str, int], ...]]]
+"""Each instance's newest commit marker: pid -> where each of its spilled generations began."""
 
 
 @dataclass
@@ -86,7 +88,7 @@ def plan_step(
     markers: Markers,
     earliest: Callable[[int], Mapping[str, int]],
     new_id: Callable[[], str],
-    spilled: Markers | None = None,
+    spilled: SpillPoints | None = None,
 ) -> tuple[AssignmentMsg | None, list[str]]:
     """The next assignment (None: nothing to publish) and what happened, as lines for the log.
 
@@ -181,7 +183,7 @@ def _recover(
     markers: Markers,
     earliest: Callable[[int], Mapping[str, int]],
     new_id: Callable[[], str],
-    spilled: Markers,
+    spilled: SpillPoints,
 ) -> None:
     """The pids, moves and overlap sides of `dead` go to `survivors` by replay; the dead are evicted.
     A pid the dead instance had spilled is replayed from its spill point (`Handoff.spilled`)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from controller.arrivals import InputTail
 from controller.assignment import Assignment, FinishedMove, Move
-from controller.moves.driver import Markers, holders, plan_step, to_recover
+from controller.moves.driver import Markers, SpillPoints, holders, plan_step, to_recover
 from controller.moves.views import (
     finished_moves,
     moves_in_flight,
@@ -206,7 +206,7 @@ class KafkaPidMover:
             self.observer.expect(holders(a.owners, a.moving, a.tracks))
         liveness = self.observer.liveness()  # once: one step acts on one answer
         markers: Markers = {}
-        spilled: Markers = {}
+        spilled: SpillPoints = {}
         if view.assignment is not None and (dying := to_recover(view.assignment, liveness)):
             self._fence(view.assignment, dying, liveness)
             markers, spilled, incarnations = self._newest_markers()
@@ -279,7 +279,7 @@ class KafkaPidMover:
                 self._fenced.add(key)
                 self.say(f"{i} fenced: no transaction of it commits any more")
 
-    def _newest_markers(self) -> tuple[Markers, Markers, dict[str, str]]:
+    def _newest_markers(self) -> tuple[Markers, SpillPoints, dict[str, str]]:
         """Each instance's newest commit marker: its cutoffs and spill points per pid, and the
         incarnation that wrote it."""
         from pipeline.commits import newest_markers

@@ -93,12 +93,16 @@ def snapshot_of(
         for i in sorted(live)
     )
     pid_state = {p: v for i in live for p, v in state[i].items() if owned.get(p) == i}
+    spilled = {
+        int(p): int(b) for i in live if history[i] for p, b in history[i][-1].get("spilled", {}).items()
+    }
     pids = {
         p: PidStats(
             pid=p,
             tuples=round(rates.get(p, 0.0) * interval_s),
             state_bytes=pid_state.get(p, 0),
             results=round(produced.get(p, 0.0)),
+            spilled_bytes=spilled.get(p, 0) if owned.get(p) is not None else 0,
         )
         for p in sorted(set(rates) | set(pid_state))
         if p in owned

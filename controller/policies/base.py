@@ -80,9 +80,12 @@ class PidStats:
     tuples: int
     state_bytes: int
     results: int
+    spilled_bytes: int = 0
+    """Its old generations' window, out of memory until its clean-up (`pipeline.spill`): a move of it
+    first brings that back, so the memory policies move in-memory pids first."""
 
     def __post_init__(self) -> None:
-        if min(self.pid, self.tuples, self.state_bytes, self.results) < 0:
+        if min(self.pid, self.tuples, self.state_bytes, self.results, self.spilled_bytes) < 0:
             raise ValueError(f"pid stats must be >= 0: {self}")
 
 

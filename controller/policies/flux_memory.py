@@ -21,8 +21,9 @@ Where the paper leaves room, this module chooses as follows:
   exactly when 0 < s < g.
 - `max_moves_per_pair` (default 1, the paper's rule) lets a pair go on from its new excess capacities, as
   the load balancing policy's does (docs/load-model.md, "Which pids move").
-- Pids in flight and pids with no state never move. Spilled pids (once an instance spills, issue of
-  spill) would be walked after the in-memory ones; no pid is spilled today, so the walk is by size alone.
+- Pids in flight and pids with no state never move. Spilled pids (`PidStats.spilled_bytes`) are walked
+  after the in-memory ones, as the paper walks on-disk partitions last: moving one first runs its
+  clean-up on the donor, which brings its old generations back into memory.
 - The next round comes after the snapshot's own interval: the paper halves only the load balancing
   interval, and memory changes with the windows, slower than load.
 """
@@ -98,16 +99,17 @@ class FluxMemoryPolicy:
     def _pair(
         snapshot: Snapshot, params: FluxMemoryParams, donor: str, receiver: str, spare: dict[str, int]
     ) -> list[Move]:
-        """The donor's pids, biggest first, each moved while it reduces the pair's gap in spare memory."""
+        """The donor's pids, in-memory ones first, biggest first, each moved while it reduces the pair's
+        gap in spare memory."""
         sizes = [
-            (stats.state_bytes, pid)
+            (stats.state_bytes, stats.spilled_bytes > 0, pid)
             for pid in snapshot.assignment.pids_of(donor)
             if pid not in snapshot.moves_in_flight
             and (stats := snapshot.pids.get(pid)) is not None
             and stats.state_bytes > 0
         ]
         moves: list[Move] = []
-        for size, pid in sorted(sizes, key=lambda item: (-item[0], item[1])):
+        for size, _, pid in sorted(sizes, key=lambda item: (item[1], -item[0], item[2])):
             if len(moves) == params.max_moves_per_pair:
                 break
             if 0 < size < spare[receiver] - spare[donor]:

@@ -160,3 +160,51 @@ def test_spilled_pids_moved_in_each_mode_and_recovered_from_a_dead_instance_stay
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
     assert report.expected > 10_000
     assert report.exact, report.describe()
+
+
+def _spilled_again(records: list[dict[str, Any]]) -> set[str]:
+    """Pids whose spilled bytes grew while they stayed spilled: their newest generation spilled too."""
+    grew: set[str] = set()
+    before: dict[str, dict[str, int]] = {}
+    for r in records:
+        last = before.get(r["instance"], {})
+        grew |= {p for p, b in r["spilled"].items() if p in last and b > last[p]}
+        before[r["instance"]] = r["spilled"]
+    return grew
+
+
+def test_a_budget_below_the_working_set_is_held_by_spilling_again_and_the_clean_up_stays_exact(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """The windows' working set is about four times the state budget. A spilled pid's new generation
+    grows back to a whole window within W, so spilling each pid once could not hold the budget: before
+    a spilled pid could spill again, the instance held up to 799,824 bytes. Spilling the newest
+    generations again holds it under the budget from the batch after its first spill to the end of the
+    input (each batch's input, real time, fits in what the threshold leaves), and the clean-up at the
+    end re-reads every generation: exact."""
+    cfg = spilling_config(topic_prefix, "lazy", seconds=40).with_overrides(
+        **{"instance.state_budget_bytes": 200_000}
+    )
+    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
+    batches = Batches(pipeline)
+    try:
+        pipeline.start_instance("instance-0", range(0, 8))
+        pipeline.wait_running(["instance-0"])  # no backlog: each batch reads what arrived since the last
+        pipeline.start_generator()
+        assert pipeline.procs["generator"].wait(180) == 0, pipeline.log_tail("generator")
+        wait_drained(pipeline, timeout_s=300)
+        batches.until(lambda rs: _all_cleaned(batches, ["instance-0"]), 120, "every spilled pid cleaned up")
+    finally:
+        pipeline.stop()
+        batches.close()
+    records = batches.records
+    first = next(i for i, r in enumerate(records) if r["spilled"])
+    cleanup = next(i for i, r in enumerate(records) if r["cleaned"])
+    during = records[first + 1 : cleanup]  # the clean-up brings the windows back: after the input
+    assert len(during) > 20, "the pids stayed spilled while the input flowed"
+    peak = max(r["state_bytes"] for r in during)
+    assert peak <= 200_000, f"{peak:,} bytes held against a budget of 200,000"
+    assert _spilled_again(records), "a spilled pid's newest generation spilled too"
+    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
+    assert report.expected > 10_000
+    assert report.exact, report.describe()

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from bench.memory import (
+    answered_at,
     cleanup_figures,
+    fill_at_the_end,
     held_by,
     over_budget_s,
     peak_fill,
@@ -48,6 +50,22 @@ def test_peak_fill_per_instance_after_the_squeeze() -> None:
     ]
     assert peak_fill(records, from_ms=1000) == {"i0": 2.0, "i1": 0.1}
     assert held_by(records, "i0") == 900
+
+
+def test_the_peak_once_answered_leaves_out_the_batch_that_learned_of_the_budget() -> None:
+    records = [
+        _batch("i0", 500, 5000, 5000),
+        _batch("i1", 900, 100, 1000),
+        _batch("i0", 1200, 5000, 2500),  # its first batch under the cut budget: 2.0 by construction
+        _batch("i0", 2200, 2000, 2500),
+        _batch("i1", 2500, 300, 1000),
+    ]
+    answered = answered_at(records, "i0", from_ms=1000)
+    assert answered == 1200
+    assert peak_fill(records, answered + 1) == {"i0": 0.8, "i1": 0.3}
+    assert peak_fill(records, answered + 1, until_ms=2300) == {"i0": 0.8}
+    assert fill_at_the_end(records) == {"i0": 0.8, "i1": 0.3}
+    assert answered_at(records, "i0", from_ms=3000) == float("inf")
 
 
 def test_results_while_the_input_flowed_and_over_time() -> None:

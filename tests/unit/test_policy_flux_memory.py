@@ -53,6 +53,18 @@ def test_the_fullest_gives_its_biggest_pid_that_narrows_the_gap_to_the_emptiest(
     assert decision.moves == (Move(0, "a", "b"),)
 
 
+def test_in_memory_pids_are_walked_before_spilled_ones() -> None:
+    """Moving a spilled pid first brings its old generations back on the donor: an in-memory pid that
+    narrows the gap goes first, however much bigger the spilled one is."""
+    snap = snapshot_of(
+        {"a": {0: 700, 1: 200, 2: 50}, "b": {3: 100}, "c": {4: 400}},
+        budgets={"a": 1000, "b": 1000, "c": 1000},
+    )
+    spilled = dict(snap.pids) | {0: replace(snap.pids[0], spilled_bytes=900)}
+    decision = FLUX_MEMORY.decide(replace(snap, pids=spilled), FluxMemoryParams())
+    assert decision.moves == (Move(1, "a", "b"),)
+
+
 def test_a_pid_as_big_as_the_gap_does_not_move() -> None:
     snap = snapshot_of({"a": {0: 800}, "b": {1: 100}}, budgets={"a": 1000, "b": 1000})
     # gap 700: moving 800 leaves |700 - 1600| = 900, wider

@@ -55,6 +55,18 @@ ANNOUNCED = ReleasedMsg(
         ),
         pytest.param(ANNOUNCED, id="released-announced"),
         pytest.param(AcquiredMsg(instance="b", epoch=6, pid=3, move_id="m1"), id="acquired"),
+        pytest.param(
+            AssignmentMsg(
+                epoch=7,
+                owners={1: "b"},
+                handoffs={
+                    1: Handoff(
+                        move_id="r1", mode=Mode.REPLAY, cutoff={"A": 90}, spilled=({"A": 40}, {"A": 70})
+                    )
+                },
+            ),
+            id="recovery-of-a-pid-spilled-twice",
+        ),
         pytest.param(MoveRequestMsg(request_id="r", pids=(1, 2), target="c", mode=Mode.REPLAY), id="request"),
     ],
 )
@@ -209,3 +221,15 @@ def test_a_commit_marker_reads_back_as_written_and_names_its_cutoffs() -> None:
     assert marker_from_json(written) == marker
     assert marker.pids() == {1, 7}
     assert marker.cutoffs() == {1: {"A": 40, "B": 38}, 7: {"A": 3, "B": 5}}
+
+
+def test_spill_points_read_back_as_written_and_from_the_single_point_written_before() -> None:
+    """A pid spilled twice carries two points; a marker or handoff written before a pid could spill
+    again holds one mapping, which reads as one point."""
+    spilled = {7: ({"A": 1, "B": 2}, {"A": 3, "B": 4})}
+    marker = CommitMarker(
+        instance="i0", incarnation="x", batch=1, epoch=1, offsets={"A": {7: 5}}, time_ms=1, spilled=spilled
+    )
+    assert marker_from_json(json.loads(json.dumps(marker_to_json(marker)))) == marker
+    older = marker_to_json(marker) | {"spilled": {"7": {"A": 1, "B": 2}}}
+    assert marker_from_json(older).spilled == {7: ({"A": 1, "B": 2},)}

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pipeline.codec import decode_results
 from pipeline.join import PROGRESS_ID
 from pipeline.operator import KIND_CLEANED, KIND_LATE, KIND_RESULT, make_join_function
-from pipeline.rows import CROSS_ROW, DROP_ROW, SPILL_ROW, WINDOW_ROW
+from pipeline.rows import CROSS_ROW, DROP_ROW, SPILL_ROW, WINDOW_ROW, cross_row
 from pipeline.spill import SpillChoice, choose_spills, old_generation_gone
 from tests.unit.test_join import Tuple3, brute_force, late_by_the_rule, with_progress
 
@@ -97,66 +97,81 @@ def _points(data: st.DataObject, streams: list[list[Tuple3]], n: int) -> list[li
     ]
 
 
+def _spilled_run(
+    one: Instance, streams: list[list[Tuple3]], at: list[list[int]], spills: int
+) -> tuple[list[int], ...]:
+    """Phases 0 .. 2 * spills: a batch before the first spill, then per spill the batch that spills
+    (its input the first of a new generation) and one more batch. The spill points, per stream."""
+    one.batch(rows(_slices(streams, at, 0)))
+    for i in range(spills):
+        one.batch(rows(_slices(streams, at, 2 * i + 1), markers=(SPILL_ROW,)))
+        one.batch(rows(_slices(streams, at, 2 * i + 2)))
+    return tuple([bounds[2 * i + 1] for bounds in at] for i in range(spills))
+
+
+def _rebuilt(
+    streams: list[list[Tuple3]], points: tuple[list[int], ...], to: list[int], markers: tuple[int, ...]
+) -> list[pd.DataFrame]:
+    """The rows that rebuild a spilled pid: the window at the first spill point, then each later
+    generation, up to `to`, under its own codes."""
+    ends = [*points[1:], to]
+    out = [rows([s[:c] for s, c in zip(streams, points[0], strict=True)], WINDOW_ROW, markers=markers)]
+    for g, (begin, end) in enumerate(zip(points, ends, strict=True)):
+        out.append(rows([s[b:e] for s, b, e in zip(streams, begin, end, strict=True)], cross_row(g, 0)))
+    return out
+
+
 @settings(max_examples=300, deadline=None)
-@given(m=st.integers(2, 3), data=st.data(), window=st.integers(0, 12), lateness=st.integers(0, 8))
+@given(
+    m=st.integers(2, 3),
+    data=st.data(),
+    window=st.integers(0, 12),
+    lateness=st.integers(0, 8),
+    spills=st.integers(1, 3),
+)
 def test_a_spilled_pid_cleaned_up_later_emits_every_result_once(
-    m: int, data: st.DataObject, window: int, lateness: int
+    m: int, data: st.DataObject, window: int, lateness: int, spills: int
 ) -> None:
-    """Phases: before the spill; the spill batch and the new generation's batches; the clean-up batch
-    (the window at the spill point re-read from the log's start, the new generation re-read up to where
-    the batch begins, then the batch's own input); the batches after."""
+    """A pid spills `spills` times (each time its newest generation leaves memory), then its clean-up
+    batch rebuilds the window at the first spill point, re-reads each later generation up to where the
+    batch begins, then reads the batch's own input; then the batches after."""
     streams = _streams(data, m)
     expected, late = _expected(streams, window, lateness)
-    at = _points(data, streams, 4)  # [0, spill, new generation's 2nd batch, clean-up, after] per stream
+    at = _points(data, streams, 2 * spills + 2)
     one = Instance(m, window, lateness)
-    one.batch(rows(_slices(streams, at, 0)))
-    one.batch(rows(_slices(streams, at, 1), markers=(SPILL_ROW,)))
-    one.batch(rows(_slices(streams, at, 2)))
-    spill = [bounds[1] for bounds in at]
-    begin = [bounds[3] for bounds in at]
-    cleanup = pd.concat(
-        [
-            rows([s[:c] for s, c in zip(streams, spill, strict=True)], WINDOW_ROW, markers=(DROP_ROW,)),
-            rows([s[c:b] for s, c, b in zip(streams, spill, begin, strict=True)], CROSS_ROW),
-            rows(_slices(streams, at, 3)),
-        ],
-        ignore_index=True,
-    )
-    one.batch(cleanup)
-    one.batch(rows(_slices(streams, at, 4)))
+    points = _spilled_run(one, streams, at, spills)
+    begin = [bounds[2 * spills + 1] for bounds in at]
+    rebuilt = _rebuilt(streams, points, begin, (DROP_ROW,))
+    one.batch(pd.concat([*rebuilt, rows(_slices(streams, at, 2 * spills + 1))], ignore_index=True))
+    one.batch(rows(_slices(streams, at, 2 * spills + 2)))
     assert sorted(one.results) == expected
     assert one.late == late, "late tuples are reported once, by the new generation"
     assert len(one.results) == len(set(one.results)), "a result was produced twice"
 
 
 @settings(max_examples=300, deadline=None)
-@given(m=st.integers(2, 3), data=st.data(), window=st.integers(0, 12), lateness=st.integers(0, 8))
+@given(
+    m=st.integers(2, 3),
+    data=st.data(),
+    window=st.integers(0, 12),
+    lateness=st.integers(0, 8),
+    spills=st.integers(1, 3),
+)
 def test_a_spilled_pid_whose_owner_dies_is_recovered_whole_from_its_spill_point(
-    m: int, data: st.DataObject, window: int, lateness: int
+    m: int, data: st.DataObject, window: int, lateness: int, spills: int
 ) -> None:
-    """The owner spills, commits batches of the new generation, and dies; the receiver rebuilds the
-    window at the spill point, re-reads the new generation up to the dead owner's last commit joined
-    with the old one only (`Handoff.spilled`), and reads on."""
+    """The owner spills `spills` times, commits batches of the newest generation, and dies; the
+    receiver rebuilds the window at the first spill point, re-reads each later generation up to the
+    dead owner's last commit joined with the ones before it only (`Handoff.spilled`), and reads on."""
     streams = _streams(data, m)
     expected, late = _expected(streams, window, lateness)
-    at = _points(data, streams, 3)  # [0, spill, 2nd batch, cutoff (the last commit), end]
+    at = _points(data, streams, 2 * spills + 1)  # the last phase: after the cutoff (the last commit)
     dead = Instance(m, window, lateness)
-    dead.batch(rows(_slices(streams, at, 0)))
-    dead.batch(rows(_slices(streams, at, 1), markers=(SPILL_ROW,)))
-    dead.batch(rows(_slices(streams, at, 2)))
-    spill = [bounds[1] for bounds in at]
-    cutoff = [bounds[3] for bounds in at]
+    points = _spilled_run(dead, streams, at, spills)
+    cutoff = [bounds[2 * spills + 1] for bounds in at]
     receiver = Instance(m, window, lateness)
-    receiver.batch(
-        pd.concat(
-            [
-                rows([s[:c] for s, c in zip(streams, spill, strict=True)], WINDOW_ROW),
-                rows([s[c:k] for s, c, k in zip(streams, spill, cutoff, strict=True)], CROSS_ROW),
-                rows(_slices(streams, at, 3)),
-            ],
-            ignore_index=True,
-        )
-    )
+    rebuilt = _rebuilt(streams, points, cutoff, ())
+    receiver.batch(pd.concat([*rebuilt, rows(_slices(streams, at, 2 * spills + 1))], ignore_index=True))
     everything = dead.results + receiver.results
     assert sorted(everything) == expected
     assert [a | b for a, b in zip(dead.late, receiver.late, strict=True)] == late
@@ -208,6 +223,33 @@ def test_the_least_productive_pids_spill_first_until_about_the_fraction() -> Non
         choose_spills(held, results, candidates=[1, 2, 3, 4], choice=SpillChoice.LEAST_PRODUCTIVE, **off)
         == []
     )
+
+
+def test_windows_far_over_the_threshold_spill_down_to_it_at_once() -> None:
+    """A budget cut to half of what the windows hold: 30% would leave them over it, so the spill
+    frees what takes them under the threshold."""
+    held = {1: 400, 2: 300, 3: 200, 4: 100}
+    chosen = choose_spills(
+        held,
+        {},
+        budget=500,
+        threshold=0.9,
+        fraction=0.3,
+        choice=SpillChoice.LEAST_PRODUCTIVE,
+        candidates=[1, 2, 3, 4],
+    )
+    assert chosen == [1, 2], "550 bytes freed: 450 left, at the threshold of 500"
+    ahead = choose_spills(
+        {1: 100, 2: 100, 3: 100},
+        {},
+        budget=1000,
+        threshold=0.5,
+        fraction=0.3,
+        choice=SpillChoice.LEAST_PRODUCTIVE,
+        candidates=[1, 2, 3],
+        incoming=350,
+    )
+    assert ahead == [1, 2], "300 held and 350 to come: 150 must go, and two whole pids free 200"
 
 
 def test_the_old_generation_is_gone_once_every_stream_has_moved_past_it_by_the_window() -> None:

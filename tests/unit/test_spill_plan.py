@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from pipeline.instance_files import write_spill_requests
-from pipeline.rows import DROP_ROW, SPILL_ROW
+from pipeline.rows import DROP_ROW, MAX_SPILLS, SPILL_ROW
 from pipeline.source import FluxjoinStreamReader
-from pipeline.spill import cleanups_of, spilled_of
+from pipeline.spill import Spill, cleanups_of, spilled_of
 
 STREAMS = ("A", "B")
 
@@ -68,7 +68,7 @@ def test_the_pids_asked_for_spill_at_where_the_batch_begins_unless_busy_or_pause
     got = r._with_spills(start, plan(start, offsets(p1=150, p2=250, p4=400), released=released))
     spilled = spilled_of(got)
     assert sorted(spilled) == [1, 2], "pid 3 is leaving, pid 4's input has paused"
-    assert spilled[1].cutoff == {"A": 100, "B": 100} and spilled[1].state_bytes == 5000
+    assert spilled[1].cutoffs == ({"A": 100, "B": 100},) and spilled[1].state_bytes == 5000
     assert sorted(m[0] for m in got["markers"] if m[1] == SPILL_ROW) == [1, 2]
     assert "cleanups" not in got
 
@@ -84,9 +84,9 @@ def test_a_spilled_pid_is_carried_until_it_leaves_and_cleaned_up_in_that_batch(t
     leaving = r._with_spills(start, plan(start, offsets(), released=released))
     assert spilled_of(leaving) == {}
     cleanup = cleanups_of(leaving)[1]
-    assert (cleanup.replay_from, cleanup.cutoff, cleanup.to) == (
+    assert (cleanup.replay_from, cleanup.cutoffs, cleanup.to) == (
         {"A": 0, "B": 0},
-        {"A": 100, "B": 90},
+        ({"A": 100, "B": 90},),
         {"A": 160, "B": 160},
     ), "the window at the spill point, then the new generation up to where the batch begins"
     assert (1, DROP_ROW, 0, 0, 0) in leaving["markers"], "the new generation goes first"
@@ -105,3 +105,28 @@ def test_lazy_clean_up_waits_for_the_pids_input_to_pause(
     got = r._with_spills(start, plan(start, offsets(p1=160)))
     assert (1 in cleanups_of(got)) is due
     assert (1 in spilled_of(got)) is not due
+
+
+def test_a_spilled_pid_asked_again_spills_its_newest_generation_up_to_max_spills(tmp_path: Path) -> None:
+    """A spilled pid's new generation grows back to a whole window within W: asked again, it adds a
+    spill point (a third generation begins), and its clean-up re-reads every generation in turn from
+    the first spill point, whose `stream_max` the rebuilt window starts from."""
+    r = reader(tmp_path, "lazy")
+    first = Spill(({"A": 100, "B": 90},), 5000, [7, 8])
+    start = {"epoch": 3, "offsets": offsets(p1=160), "spilled": {"1": first.to_json()}}
+    r._latest, r._input_at["1"] = offsets(p1=200), 1e12  # input keeps coming
+    write_spill_requests(tmp_path / "spill_requests.json", {1: 3000})
+    again = spilled_of(r._with_spills(start, plan(start, offsets(p1=200))))[1]
+    assert again.cutoffs == ({"A": 100, "B": 90}, {"A": 160, "B": 160})
+    assert (again.state_bytes, again.stream_max) == (8000, [7, 8])
+    at_most = Spill(tuple({"A": 10 * i, "B": 10 * i} for i in range(MAX_SPILLS)), 5000, None)
+    start = {"epoch": 3, "offsets": offsets(p1=160), "spilled": {"1": at_most.to_json()}}
+    got = r._with_spills(start, plan(start, offsets(p1=200)))
+    assert spilled_of(got)[1] == at_most, "no codes left for one more generation"
+    assert not [m for m in got["markers"] if m[1] == SPILL_ROW]
+    released = {"1": {"move_id": "m", "export": False, "announce": True, "cutoff": {"A": 160, "B": 160}}}
+    start = {"epoch": 3, "offsets": offsets(p1=160), "spilled": {"1": again.to_json()}}
+    leaving = r._with_spills(start, plan(start, offsets(), released=released))
+    cleanup = cleanups_of(leaving)[1]
+    assert cleanup.generations("A") == [(100, 160), (160, 160)]
+    assert [m for m in leaving["markers"] if m[1] != DROP_ROW] == [(1, -3, 0, 0, 7), (1, -3, 1, 0, 8)]
