@@ -253,8 +253,9 @@ def run_variant(
 def wait_cleaned(
     pipeline: LocalPipeline, follower: MetricsFollower, records: list[dict[str, Any]], timeout_s: float = 300
 ) -> None:
-    """Block until no instance's newest batch holds a spilled pid: lazy clean-up runs once the input has
-    paused, after the instances have read it all."""
+    """Block until no instance's newest batch holds a spilled pid with results left for its clean-up
+    (`deferred`; a parked one has none): lazy clean-up runs once the input has paused, after the
+    instances have read it all."""
     from pipeline.control import wait_for
 
     def none_spilled() -> bool:
@@ -264,7 +265,7 @@ def wait_cleaned(
             if r.get("kind") == "batch":
                 newest[r["instance"]] = r
         pipeline.check_alive()
-        return not any(r.get("spilled") for r in newest.values())
+        return not any(r.get("deferred") for r in newest.values())
 
     wait_for(none_spilled, timeout_s, "every spilled pid cleaned up", 1.0)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from pipeline.codec import decode_results
 from pipeline.operator import KIND_CLEANED, KIND_RESULT, KIND_STATS, HotKey
-from pipeline.spill import cleanups_of, spilled_of
+from pipeline.spill import cleanups_of, deferred, spilled_of
 
 PidFigures = TypedDict(
     "PidFigures",
@@ -59,6 +59,7 @@ class BatchRecord(TypedDict):
     state_budget_bytes: int
     lag: dict[str, int]  # per pid: input messages beyond the batch's end
     spilled: dict[str, int]  # per pid whose old generation is out of memory after the batch: its bytes
+    deferred: list[str]  # the spilled pids with results left for their clean-up (the others are parked)
     cleaned: dict[str, tuple[int, int]]  # per pid cleaned up in the batch: (tuples re-read, results made)
 
 
@@ -136,6 +137,11 @@ def batch_record(
     `started`, `ended` and `last_end` (the previous batch's end) are monotonic s: the batch ran from
     `started` to `ended`, and was busy for that share of the time since `last_end`."""
     latency, by_pid = np.empty(0), {}
+
+    def ends_of(p: int) -> dict[str, int]:
+        """Where the batch's input of pid `p` ended, per stream: where the next batch begins."""
+        return {s: int(ends[str(p)]) for s, ends in offsets["offsets"].items() if str(p) in ends}
+
     if results:
         latency = now - ready.result_times_ms / 1000.0
         by_pid = _by_pid(ready.result_pids, latency)
@@ -191,6 +197,7 @@ def batch_record(
         "state_budget_bytes": state_budget_bytes,
         "lag": ready.lag,
         "spilled": {str(p): spill.state_bytes for p, spill in sorted(spilled_of(offsets).items())},
+        "deferred": sorted(str(p) for p, spill in spilled_of(offsets).items() if deferred(spill, ends_of(p))),
         # clean-ups planned here, and recoveries of a dead owner's spilled pids (`Handoff.spilled`)
         "cleaned": {str(p): made.get(p, (0, 0)) for p in sorted({*cleanups_of(offsets), *made})},
     }

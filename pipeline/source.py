@@ -55,7 +55,15 @@ from pipeline.kafka_reader import (
 from pipeline.protocol import ReleasedMsg
 from pipeline.rows import DROP_ROW, MAX_SPILLS, SOURCE_SCHEMA, SPILL_ROW, WATERMARK_ROW, WINDOW_ROW
 from pipeline.signing import produce_signed
-from pipeline.spill import Cleanup, CleanupWhen, Spill, cleanups_of, old_generation_gone, spilled_of
+from pipeline.spill import (
+    Cleanup,
+    CleanupWhen,
+    Spill,
+    cleanups_of,
+    deferred,
+    old_generation_gone,
+    spilled_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +74,7 @@ SAMPLE_EVERY_S = 30.0
 BEHIND_TRIGGERS = 2
 MIN_BEHIND_S = 2.0
 # A pid's input has paused once its end has not moved for this many trigger intervals, and at least
-# MIN_PAUSE_S seconds: a spilled pid is cleaned up then, and none is spilled.
+# MIN_PAUSE_S seconds: a spilled pid with results left for its clean-up is cleaned up then.
 PAUSE_TRIGGERS = 4
 MIN_PAUSE_S = 5.0
 
@@ -276,8 +284,6 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             if p in cleanups or p in busy or str(p) not in held or str(p) not in before.get(first, {}):
                 continue
             cutoff = {s: before[s][str(p)] for s in self.streams}
-            if self._idle(p, cutoff):  # its clean-up would be due at once: spilling it frees nothing
-                continue
             at = stream_max_at(noted, p, cutoff)
             stream_max = list(at) if at is not None else None
             if p not in carried:
@@ -305,10 +311,16 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self, p: int, spill: Spill, begin: Mapping[str, int], leaving: bool, noted: Mapping[str, Any]
     ) -> bool:
         """Whether a spilled pid is cleaned up in the batch being planned: always before it leaves (a
-        spill point never travels with a handoff) and once its input pauses; with active clean-up also
-        as soon as its old generation has left the window, when the clean-up brings nothing back into
-        memory (`pipeline.spill.CleanupWhen`)."""
-        if leaving or self._idle(p, begin):
+        spill point never travels with a handoff); once its input pauses, or with active clean-up as
+        soon as the generations before its newest have left the window (the clean-up then brings
+        nothing back into memory; `pipeline.spill.CleanupWhen`), if it read anything since its first
+        spill. A pid that did not is parked: its window is in the log, no result waits for a
+        clean-up, and a paused pid spilled to free memory stays out of it."""
+        if leaving:
+            return True
+        if not deferred(spill, begin):
+            return False
+        if self._idle(p, begin):
             return True
         last = spill.last_max
         if self.spill_cleanup is CleanupWhen.LAZY or last is None:

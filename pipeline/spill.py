@@ -135,6 +135,12 @@ class Cleanup:
         )
 
 
+def deferred(spill: Spill, begin: Mapping[str, int]) -> bool:
+    """Whether a spilled pid has read input since its first spill point, up to `begin`: only then can
+    a result span its generations and wait for its clean-up. One that has not is parked."""
+    return any(begin.get(s, o) > o for s, o in spill.cutoffs[0].items())
+
+
 def spilled_of(offset: Mapping[str, Any]) -> dict[int, Spill]:
     return {int(p): Spill.from_json(s) for p, s in offset.get("spilled", {}).items()}
 

@@ -57,7 +57,7 @@ def plan(start: dict[str, Any], end: dict[str, dict[str, int]], **extra: Any) ->
     return {"epoch": start["epoch"], "tracking": {}, "taken": {}, "offsets": end, **extra}
 
 
-def test_the_pids_asked_for_spill_at_where_the_batch_begins_unless_busy_or_paused(tmp_path: Path) -> None:
+def test_the_pids_asked_for_spill_at_where_the_batch_begins_unless_busy(tmp_path: Path) -> None:
     r = reader(tmp_path)
     start = {"epoch": 3, "offsets": offsets(p1=100, p2=200, p3=300, p4=400)}
     r._latest = offsets(p1=150, p2=250, p3=350, p4=400)  # pid 4: nothing waiting
@@ -67,9 +67,9 @@ def test_the_pids_asked_for_spill_at_where_the_batch_begins_unless_busy_or_pause
     released = {"3": {"move_id": "m", "export": True, "announce": False, "cutoff": {"A": 350, "B": 350}}}
     got = r._with_spills(start, plan(start, offsets(p1=150, p2=250, p4=400), released=released))
     spilled = spilled_of(got)
-    assert sorted(spilled) == [1, 2], "pid 3 is leaving, pid 4's input has paused"
+    assert sorted(spilled) == [1, 2, 4], "pid 3 is leaving; pid 4, paused, is parked"
     assert spilled[1].cutoffs == ({"A": 100, "B": 100},) and spilled[1].state_bytes == 5000
-    assert sorted(m[0] for m in got["markers"] if m[1] == SPILL_ROW) == [1, 2]
+    assert sorted(m[0] for m in got["markers"] if m[1] == SPILL_ROW) == [1, 2, 4]
     assert "cleanups" not in got
 
 
@@ -130,3 +130,20 @@ def test_a_spilled_pid_asked_again_spills_its_newest_generation_up_to_max_spills
     cleanup = cleanups_of(leaving)[1]
     assert cleanup.generations("A") == [(100, 160), (160, 160)]
     assert [m for m in leaving["markers"] if m[1] != DROP_ROW] == [(1, -3, 0, 0, 7), (1, -3, 1, 0, 8)]
+
+
+@pytest.mark.parametrize("cleanup", ["lazy", "active"])
+def test_a_pid_spilled_while_paused_is_parked_until_it_reads_again(tmp_path: Path, cleanup: str) -> None:
+    """Spilled where its input paused, a pid has nothing spanning generations: it is not cleaned up
+    (its window would come back into memory for nothing, batch after batch), until input it read
+    since the spill point makes a clean-up due again."""
+    r = reader(tmp_path, cleanup)
+    parked = Spill(({"A": 160, "B": 160},), 5000, [7, 8])
+    start = {"epoch": 3, "offsets": offsets(p1=160), "spilled": {"1": parked.to_json()}}
+    r._latest, r._input_at["1"] = offsets(p1=160), 0.0  # paused long ago
+    got = r._with_spills(start, plan(start, offsets(p1=160)))
+    assert spilled_of(got) == {1: parked} and "cleanups" not in got
+    start = {"epoch": 3, "offsets": offsets(p1=180), "spilled": {"1": parked.to_json()}}
+    r._latest = offsets(p1=180)
+    got = r._with_spills(start, plan(start, offsets(p1=180)))
+    assert 1 in cleanups_of(got), "it read 20 messages since, then paused: their results span generations"
