@@ -8,10 +8,11 @@ memory: Liu and Rundensteiner's distributed adaptation (`memory`), Flux's memory
 productive pids first, Liu and Rundensteiner's choice; `spill-most-productive`: the reverse, for their
 comparison), with active clean-up (a spilled pid cleaned up once its old generation has left the window,
 and spilled again if need be) or lazy (once the input has ended, as theirs is). Per variant: how
-long the squeezed instance stays over its budget, the peak of state over budget per instance after the
-squeeze and once the squeezed instance has had a batch to answer it, the pids moved, the results made
-while the input flowed and in all, the clean-up's work and time, and the oracle's counts. An instance
-that exits fails the run.
+long the squeezed instance stays over its budget while the input flows, the peak of state over budget
+per instance after the squeeze, once the squeezed instance has had a batch to answer it (to the end of
+the input), after the input (the clean-ups rebuild spilled windows whole) and at the end, the pids
+moved, the results made while the input flowed and in all, the clean-up's work and time, and the
+oracle's counts. An instance that exits fails the run.
 """
 
 from __future__ import annotations
@@ -95,14 +96,16 @@ def memory_config(
     )
 
 
-def over_budget_s(records: Sequence[dict[str, Any]], instance: str, from_ms: float) -> float | None:
-    """Seconds from `from_ms` until the instance's batches hold at most their budget for good (its last
-    batch over budget ends the span); 0 when none is over it after `from_ms`, None when its last batch
-    still is."""
+def over_budget_s(
+    records: Sequence[dict[str, Any]], instance: str, from_ms: float, until_ms: float = float("inf")
+) -> float | None:
+    """Seconds from `from_ms` until the instance's batches up to `until_ms` hold at most their budget
+    for good (its last batch over budget ends the span); 0 when none is over it after `from_ms`, None
+    when its last batch still is."""
     mine = [
         r
         for r in records
-        if r.get("kind") == "batch" and r["instance"] == instance and r["time_ms"] >= from_ms
+        if r.get("kind") == "batch" and r["instance"] == instance and from_ms <= r["time_ms"] <= until_ms
     ]
     over = [r for r in mine if r["state_bytes"] > r["state_budget_bytes"]]
     if not over:
@@ -230,11 +233,12 @@ def run_variant(
     after = squeezed_ms if squeezed_ms is not None else float("inf")
     point = {
         "squeezed_budget_bytes": budget,
-        "over_budget_s": over_budget_s(records, SQUEEZED, after),
+        "over_budget_s": over_budget_s(records, SQUEEZED, after, input_end_ms),
         "peak_fill_after_squeeze": peak_fill(records, after),
         "peak_fill_once_answered": peak_fill(
             records, answered_at(records, SQUEEZED, after) + 1, input_end_ms
         ),
+        "peak_fill_after_the_input": peak_fill(records, input_end_ms),  # the clean-ups' batches
         "fill_at_the_end": fill_at_the_end(records),
         "moves": moved_pids(decisions),
         "results_during_input": results_until(records, input_end_ms),

@@ -39,6 +39,7 @@ def test_over_budget_until_its_last_batch_over_it() -> None:
     assert over_budget_s(records, "i0", from_ms=1000) == 2.0
     assert over_budget_s(records, "i0", from_ms=6000) == 0.0, "never over after"
     assert over_budget_s(records[:3], "i0", from_ms=1000) is None, "still over at its last batch"
+    assert over_budget_s(records, "i0", from_ms=1000, until_ms=3000) is None, "over when the input ended"
 
 
 def test_peak_fill_per_instance_after_the_squeeze() -> None:
