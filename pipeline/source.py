@@ -445,8 +445,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             handoff = a.handoff
             if handoff.snapshot is not None:
                 snapshots.append((p, handoff.snapshot))
-            # after the window: input a dead old side processed, or a dead owner's spilled pid's new
-            # generation, joined with the old one only (`pipeline.spill`)
+            # a dead owner's spilled pid: its generations; else after the window, the input a dead
+            # old side processed, processed again silently
             if handoff.spilled:
                 assert a.replay_from is not None, "a dead owner's spilled pid is replayed"
                 replays += self._generations(p, Cleanup(a.replay_from, handoff.spilled, handoff.cutoff))
