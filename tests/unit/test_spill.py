@@ -4,6 +4,7 @@ later, or whose owner dies while it is spilled and is recovered elsewhere, emits
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -121,14 +122,20 @@ def _rebuilt(
     return out
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    m=st.integers(2, 3),
-    data=st.data(),
-    window=st.integers(0, 12),
-    lateness=st.integers(0, 8),
-    spills=st.integers(1, 3),
-)
+def spilled_runs(test: Callable[..., None]) -> Callable[..., None]:
+    """300 runs of `test` over 2- and 3-way joins, windows and lateness up to a few time units, and one
+    to three spills."""
+    runs = given(
+        m=st.integers(2, 3),
+        data=st.data(),
+        window=st.integers(0, 12),
+        lateness=st.integers(0, 8),
+        spills=st.integers(1, 3),
+    )
+    return settings(max_examples=300, deadline=None)(runs(test))
+
+
+@spilled_runs
 def test_a_spilled_pid_cleaned_up_later_emits_every_result_once(
     m: int, data: st.DataObject, window: int, lateness: int, spills: int
 ) -> None:
@@ -149,14 +156,7 @@ def test_a_spilled_pid_cleaned_up_later_emits_every_result_once(
     assert len(one.results) == len(set(one.results)), "a result was produced twice"
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    m=st.integers(2, 3),
-    data=st.data(),
-    window=st.integers(0, 12),
-    lateness=st.integers(0, 8),
-    spills=st.integers(1, 3),
-)
+@spilled_runs
 def test_a_spilled_pid_whose_owner_dies_is_recovered_whole_from_its_spill_point(
     m: int, data: st.DataObject, window: int, lateness: int, spills: int
 ) -> None:
