@@ -176,6 +176,7 @@ def batch_record(
             columns["pid"][cleaned], columns["key"][cleaned], columns["aux"][cleaned], strict=True
         )
     }
+    spilled = spilled_of(offsets)
     record: BatchRecord = {
         "kind": "batch",
         "instance": instance,
@@ -196,8 +197,8 @@ def batch_record(
         "state_bytes": sum(held_now.values()),
         "state_budget_bytes": state_budget_bytes,
         "lag": ready.lag,
-        "spilled": {str(p): spill.state_bytes for p, spill in sorted(spilled_of(offsets).items())},
-        "deferred": sorted(str(p) for p, spill in spilled_of(offsets).items() if deferred(spill, ends_of(p))),
+        "spilled": {str(p): spill.state_bytes for p, spill in sorted(spilled.items())},
+        "deferred": sorted(str(p) for p, spill in spilled.items() if deferred(spill, ends_of(p))),
         # clean-ups planned here, and recoveries of a dead owner's spilled pids (`Handoff.spilled`)
         "cleaned": {str(p): made.get(p, (0, 0)) for p in sorted({*cleanups_of(offsets), *made})},
     }

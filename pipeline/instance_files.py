@@ -3,10 +3,10 @@ for the source after every batch.
 
 The control follower writes the assignment file and the source reads it at every batch boundary; the
 sink writes each kept pid's window `stream_max` with the offsets it has read up to (the watermarks
-file), recent batches' tuples and results (the recent-yields file) and the pids to spill (the
-spill-requests file), which the source reads when it plans a batch. Apart from the source because the
-control follower, the sink and the health endpoint write or read them too, without Spark. Every file
-is replaced atomically (`_replace_json`).
+file), recent batches' tuples and results (the recent-yields file) and the pids to spill with the
+room the budget leaves (the spill-requests file), which the source reads when it plans a batch.
+Apart from the source because the control follower, the sink and the health endpoint write or read
+them too, without Spark. Every file is replaced atomically (`_replace_json`).
 """
 
 from __future__ import annotations
@@ -148,16 +148,31 @@ def read_recent_yields(path: Path) -> Yields:
     return {int(p): [(int(t), int(r)) for t, r in recent] for p, recent in noted.items()}
 
 
-def write_spill_requests(path: Path, pids: Mapping[int, int]) -> None:
-    """The file of the pids the sink asks the next batch to spill, each with its window's bytes
-    (`pipeline.spill.choose_spills`); empty when none is to spill."""
-    _replace_json(path, {str(p): b for p, b in pids.items()})
+@dataclass(frozen=True, slots=True)
+class SpillRequests:
+    """What the sink asks of the next batch while spilling is on: the pids to spill, each with its
+    window's bytes (`pipeline.spill.choose_spills`), and how many tuples the batch may read
+    (`pipeline.spill.batch_room`; None before the sink has measured a window: no bound)."""
+
+    pids: Mapping[int, int] = field(default_factory=dict)
+    room_tuples: int | None = None
 
 
-def read_spill_requests(path: Path) -> dict[int, int]:
-    """What `write_spill_requests` wrote; empty before the first batch."""
+def write_spill_requests(path: Path, requests: SpillRequests) -> None:
+    _replace_json(
+        path, {"spill": {str(p): b for p, b in requests.pids.items()}, "room_tuples": requests.room_tuples}
+    )
+
+
+def read_spill_requests(path: Path) -> SpillRequests:
+    """What `write_spill_requests` wrote; nothing asked before the first batch."""
     noted = _read_json(path)
-    return {int(p): int(b) for p, b in noted.items()} if isinstance(noted, dict) else {}
+    if not isinstance(noted, dict):
+        return SpillRequests()
+    room = noted.get("room_tuples")
+    return SpillRequests(
+        {int(p): int(b) for p, b in noted["spill"].items()}, None if room is None else int(room)
+    )
 
 
 def stream_max_at(noted: Mapping[str, Any], pid: int, cutoff: Mapping[str, int]) -> tuple[int, ...] | None:

@@ -25,6 +25,7 @@ from pipeline.protocol import (
     Snapshot,
     TrackDoneMsg,
 )
+from pipeline.spill import spill_points
 
 
 def snapshot_to_json(s: Snapshot | None) -> dict[str, Any] | None:
@@ -65,7 +66,7 @@ def handoff_from_json(d: dict[str, Any]) -> Handoff:
         snapshot=snapshot_from_json(d.get("snapshot")),
         stream_max=_stream_max(d.get("stream_max")),
         since={s: int(o) for s, o in d["since"].items()} if d.get("since") is not None else None,
-        spilled=_spill_points(d["spilled"]) if d.get("spilled") is not None else None,
+        spilled=spill_points(d["spilled"]) if d.get("spilled") is not None else None,
     )
 
 
@@ -243,13 +244,6 @@ def _decoded(kind: type[M], d: Any) -> M:
     return msg
 
 
-def _spill_points(found: Any) -> tuple[dict[str, int], ...]:
-    """A pid's spill points, oldest first: a list, or the one mapping written before a pid could spill
-    again (`pipeline.spill`)."""
-    points = [found] if isinstance(found, dict) else found
-    return tuple({s: int(o) for s, o in c.items()} for c in points)
-
-
 def marker_to_json(m: CommitMarker) -> dict[str, Any]:
     return {
         "instance": m.instance,
@@ -270,7 +264,7 @@ def marker_from_json(d: dict[str, Any]) -> CommitMarker:
         epoch=int(d["epoch"]),
         offsets={s: {int(p): int(o) for p, o in by_pid.items()} for s, by_pid in d["offsets"].items()},
         time_ms=int(d["time_ms"]),
-        spilled={int(p): _spill_points(c) for p, c in d.get("spilled", {}).items()},
+        spilled={int(p): spill_points(c) for p, c in d.get("spilled", {}).items()},
     )
 
 

@@ -51,14 +51,14 @@ from pipeline.batch_output import BatchOutput, stream_max_columns
 from pipeline.batch_plan import acquired_of, released_of, tracking_of
 from pipeline.commits import Evictions, last_commit, read_logged_offsets, transactional_id
 from pipeline.config import Config
-from pipeline.instance_files import write_recent_yields, write_spill_requests, write_watermarks
+from pipeline.instance_files import SpillRequests, write_recent_yields, write_spill_requests, write_watermarks
 from pipeline.kafka_client import kafka_config
 from pipeline.operator import KIND_LATE, KIND_MALFORMED, KIND_RESULT, KIND_WATERMARK
 from pipeline.protocol import CommitMarker, eviction_entries
 from pipeline.protocol_codec import marker_to_json
 from pipeline.rows import MAX_SPILLS
 from pipeline.signing import produce_signed
-from pipeline.spill import SpillChoice, choose_spills, spilled_of
+from pipeline.spill import SpillChoice, batch_room, choose_spills, spilled_of
 from pipeline.topics import broker_away, partition_offsets
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,13 @@ HOT_WARNING_EVERY_S = 30.0
 RECENT_BATCHES = 8
 """The source bounds a pid's input in a batch by this many of its recent batches' tuples and results
 (`pipeline.batch_sizing.results_of`)."""
+
+
+def _bytes_per_window_tuple(metrics: BatchRecord) -> float | None:
+    """What a window tuple costs, from the pids this batch read; None before any window holds one."""
+    figures = metrics["pids"].values()
+    window_tuples = sum(f["window_tuples"] for f in figures)
+    return sum(f["state_bytes"] for f in figures) / window_tuples if window_tuples else None
 
 
 class ExactlyOnceSink:
@@ -234,8 +241,10 @@ class ExactlyOnceSink:
     def _note_spills(self, offsets: dict[str, Any], metrics: BatchRecord) -> None:
         """Ask the next batch to spill pids while the windows hold more than the spill threshold of the
         budget (`pipeline.spill.choose_spills`): pids in a move or an overlap, or spilled `MAX_SPILLS`
-        times already, are not candidates; a spilled pid's newest generation is one. The next batch's
-        plan decides (`FluxjoinStreamReader`), and Spark logs it."""
+        times already, are not candidates; a spilled pid's newest generation is one. And bound the next
+        batch's input by the room the budget leaves after those spills (`pipeline.spill.batch_room`):
+        an instance behind its input would otherwise read a batch larger than the budget itself. The
+        next batch's plan decides (`FluxjoinStreamReader`), and Spark logs it."""
         settings = self.cfg.instance
         if self.spill_requests_path is None or settings.spill_threshold <= 0:
             return
@@ -243,31 +252,33 @@ class ExactlyOnceSink:
         busy = {*tracking_of(offsets), *released_of(offsets), *acquired_of(offsets)}
         busy |= {p for p, spill in spilled.items() if len(spill.cutoffs) >= MAX_SPILLS}
         recent = {p: sum(r for _, r in batches) for p, batches in self._recent_yields.items()}
+        per_tuple = _bytes_per_window_tuple(metrics)
+        budget = metrics["state_budget_bytes"]
+        read = self._read_since_last(offsets["offsets"])
+        waiting = sum(metrics["lag"].values()) * metrics["tuples_in"] // read if read > 0 else 0
         chosen = choose_spills(
             self._held,
             recent,
-            metrics["state_budget_bytes"],
+            budget,
             settings.spill_threshold,
             settings.spill_fraction,
             SpillChoice(settings.spill_choice),
             [p for p in self._held if p not in busy],
-            incoming=self._incoming_bytes(offsets["offsets"], metrics),
+            # What the next batch is expected to add: the input waiting beyond this batch now (`lag`,
+            # in messages, at the tuples per message this batch read), or as much as this batch read.
+            incoming=int(max(metrics["tuples_in"], waiting) * (per_tuple or 0)),
         )
-        write_spill_requests(self.spill_requests_path, {p: self._held[p] for p in chosen})
+        room = None if per_tuple is None else batch_room(self._held, chosen, budget, per_tuple)
+        write_spill_requests(
+            self.spill_requests_path, SpillRequests({p: self._held[p] for p in chosen}, room)
+        )
 
-    def _incoming_bytes(self, ends: Mapping[str, Mapping[str, int]], metrics: BatchRecord) -> int:
-        """What the next batch is expected to add to the windows: the input waiting beyond this batch
-        now (`lag`, in messages, at the tuples per message this batch read), or as much as this batch
-        read if more, at the bytes per window tuple its pids hold."""
+    def _read_since_last(self, ends: Mapping[str, Mapping[str, int]]) -> int:
+        """Messages this batch read: its end offsets against the previous batch's."""
         read_to = {(s, p): o for s, by_pid in ends.items() for p, o in by_pid.items()}
         read = sum(o - self._read_to[k] for k, o in read_to.items() if k in self._read_to)
         self._read_to = read_to
-        tuples_in = metrics["tuples_in"]
-        waiting = sum(metrics["lag"].values()) * tuples_in // read if read > 0 else 0
-        figures = metrics["pids"].values()
-        window_tuples = sum(f["window_tuples"] for f in figures)
-        held = sum(f["state_bytes"] for f in figures)
-        return max(tuples_in, waiting) * held // window_tuples if window_tuples else 0
+        return read
 
     def _warn_hot(self, metrics: BatchRecord) -> None:
         """Name the pid and key behind a batch that made a large share of the results bound: later

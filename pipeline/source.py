@@ -35,6 +35,7 @@ from pipeline.batch_sizing import RESULTS_HEADROOM, ArrivalMeter, BatchBound, Of
 from pipeline.epoch_change import change_epoch
 from pipeline.input_facts import KafkaInputFacts
 from pipeline.instance_files import (
+    SpillRequests,
     move_steps,
     read_assignment,
     read_recent_yields,
@@ -230,10 +231,16 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         ):
             return start  # not due: the same offset means no batch
         self._planned_at, self._planned_steps = now, steps
+        path = self.spill_requests_path
+        asked = read_spill_requests(path) if path else SpillRequests()
+        if asked.room_tuples is not None and not isinstance(limit, ReadAllAvailable):
+            rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.max_rows
+            limit = ReadMaxRows(max(1, min(rows, asked.room_tuples)))
         if owned.epoch == start["epoch"]:
             end, next_pid = self._read_up_to(start["offsets"], limit, int(start.get("next_pid", 0)))
             carried = {k: start.get(k, {}) for k in ("tracking", "taken")}
-            return self._with_spills(start, {"epoch": owned.epoch, **carried, "offsets": end} | next_pid)
+            plan = {"epoch": owned.epoch, **carried, "offsets": end} | next_pid
+            return self._with_spills(start, plan, asked.pids)
         if start["epoch"] == -1:
             self.facts.probe()  # connected before a replay needs it: a first read is slow (decision 0034)
         change = change_epoch(start, owned, self.streams, self.facts)
@@ -251,15 +258,14 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             s: {p: o for p, o in held[s].items() if start["offsets"].get(s, {}).get(p) != o} for s in held
         }
         change.offsets = {s: {p: end[s][p] for p in held[s]} for s in self.streams}
-        return self._with_spills(start, change.to_json() | next_pid)
+        return self._with_spills(start, change.to_json() | next_pid, asked.pids)
 
-    def _with_spills(self, start: dict, plan: dict[str, Any]) -> dict[str, Any]:
+    def _with_spills(self, start: dict, plan: dict[str, Any], asked: Mapping[int, int]) -> dict[str, Any]:
         """`plan` with its spills and clean-ups (`pipeline.spill`): the spilled pids carried on but those
-        whose clean-up is due, and the pids the sink asks to spill (their input in this batch is the
-        first of a new generation). Decided here, in the plan Spark logs, so a restarted query replays
-        the same spills and clean-ups."""
+        whose clean-up is due, and the pids the sink asks to spill (`asked`, with their windows' bytes;
+        their input in this batch is the first of a new generation). Decided here, in the plan Spark
+        logs, so a restarted query replays the same spills and clean-ups."""
         spilled = spilled_of(start)
-        asked = read_spill_requests(self.spill_requests_path) if self.spill_requests_path else {}
         if not spilled and not asked:
             return plan
         first, before = self.streams[0], start["offsets"]

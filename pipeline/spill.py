@@ -58,10 +58,16 @@ Cutoff = Mapping[str, int]
 """Per stream, the offset of a generation's first tuple."""
 
 
+def spill_points(found: Any) -> tuple[Cutoff, ...]:
+    """A pid's spill points as JSON wrote them, oldest first: a list, or the one mapping plans, commit
+    markers and handoffs held before a pid could spill again."""
+    points = [found] if isinstance(found, Mapping) else found
+    return tuple({s: int(o) for s, o in c.items()} for c in points)
+
+
 def _cutoffs(d: Mapping[str, Any]) -> tuple[Cutoff, ...]:
     """A plan's spill points: `cutoffs`, or the one `cutoff` plans held before a pid could spill again."""
-    found = d["cutoffs"] if "cutoffs" in d else [d["cutoff"]]
-    return tuple({s: int(o) for s, o in c.items()} for c in found)
+    return spill_points(d["cutoffs"] if "cutoffs" in d else d["cutoff"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +192,15 @@ def choose_spills(
         chosen.append(p)
         freed += held[p]
     return chosen
+
+
+def batch_room(held: Mapping[int, int], spilled: Sequence[int], budget: int, bytes_per_tuple: float) -> int:
+    """How many tuples the next batch may read: what the budget leaves of the windows once the `spilled`
+    pids are out of memory, at `bytes_per_tuple` a window tuple (decision 0067). Counted as if every
+    tuple stayed in a window, though older ones leave as event time moves on: the bound errs on the
+    side of the budget. Zero when nothing is left; the source still reads a message a batch."""
+    left = sum(b for p, b in held.items() if p not in set(spilled))
+    return max(0, int((budget - left) // bytes_per_tuple))
 
 
 def old_generation_gone(

@@ -16,7 +16,7 @@ from pipeline.codec import decode_results
 from pipeline.join import PROGRESS_ID
 from pipeline.operator import KIND_CLEANED, KIND_LATE, KIND_RESULT, make_join_function
 from pipeline.rows import CROSS_ROW, DROP_ROW, SPILL_ROW, WINDOW_ROW, cross_row
-from pipeline.spill import SpillChoice, choose_spills, old_generation_gone
+from pipeline.spill import SpillChoice, batch_room, choose_spills, old_generation_gone
 from tests.unit.test_join import Tuple3, brute_force, late_by_the_rule, with_progress
 
 PID = 7
@@ -223,6 +223,13 @@ def test_the_least_productive_pids_spill_first_until_about_the_fraction() -> Non
         choose_spills(held, results, candidates=[1, 2, 3, 4], choice=SpillChoice.LEAST_PRODUCTIVE, **off)
         == []
     )
+
+
+def test_the_next_batch_reads_what_the_budget_leaves_once_the_chosen_pids_have_spilled() -> None:
+    held = {1: 400, 2: 300, 3: 200, 4: 100}
+    assert batch_room(held, [], budget=1_500, bytes_per_tuple=25) == 20, "500 bytes left: 20 tuples"
+    assert batch_room(held, [1, 3], budget=1_000, bytes_per_tuple=24) == 25, "600 bytes spilled"
+    assert batch_room(held, [4], budget=800, bytes_per_tuple=24) == 0, "over the budget: nothing"
 
 
 def test_windows_far_over_the_threshold_spill_down_to_it_at_once() -> None:
