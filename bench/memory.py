@@ -4,15 +4,16 @@ While input flows at a fixed real-time rate into windows large enough that state
 one instance is cut to a share of what its windows hold (`pipeline.control.set_state_budget`, as
 `fluxjoin budget` does). The same run is made with no adaptation (`static`) and each policy that reads
 memory: Liu and Rundensteiner's distributed adaptation (`memory`), Flux's memory-constrained round
-(`flux-memory`) and its hybrid (`hybrid`), and with no policy but spilling (`spill`: the least
-productive pids first, Liu and Rundensteiner's choice; `spill-most-productive`: the reverse, for their
-comparison), with active clean-up (a spilled pid cleaned up once its old generation has left the window,
-and spilled again if need be) or lazy (once the input has ended, as theirs is). Per variant: how
-long the squeezed instance stays over its budget while the input flows, the peak of state over budget
-per instance after the squeeze, once the squeezed instance has had a batch to answer it (to the end of
-the input), after the input (the clean-ups rebuild spilled windows whole) and at the end, the pids
-moved, the results made while the input flowed and in all, the clean-up's work and time, and the
-oracle's counts. An instance that exits fails the run.
+(`flux-memory`) and its hybrid (`hybrid`), with no policy but spilling (`spill`: the least productive
+pids first, Liu and Rundensteiner's choice; `spill-most-productive`: the reverse, for their comparison),
+and with their whole rule (`memory-spill`: the distributed adaptation, and spilling only when no
+instance has room, decision 0068), with active clean-up (a spilled pid cleaned up once its old
+generation has left the window, and spilled again if need be) or lazy (once the input has ended, as
+theirs is). Per variant: how long the squeezed instance stays over its budget while the input flows, the
+peak of state over budget per instance after the squeeze, once the squeezed instance has had a batch to
+answer it (to the end of the input), after the input (the clean-ups rebuild spilled windows whole) and
+at the end, the pids moved, the results made while the input flowed and in all, the clean-up's work and
+time, and the oracle's counts. An instance that exits fails the run.
 """
 
 from __future__ import annotations
@@ -35,28 +36,30 @@ from bench.run import (
 from local.processes import LocalPipeline, MetricsFollower, wait_drained
 from pipeline.config import Config
 
-VARIANTS = ("static", "spill", "spill-most-productive", "memory", "flux-memory", "hybrid")
+VARIANTS = ("static", "spill", "spill-most-productive", "memory", "memory-spill", "flux-memory", "hybrid")
 """No adaptation, spilling alone (either order), then each policy that reads memory."""
 SQUEEZED = "instance-0"
 SPILL_THRESHOLD = 0.9
 """The spill variants spill once the windows hold this share of the budget."""
 
 
-def variant_settings(variant: str, cleanup: str = "active") -> tuple[str, dict[str, Any]]:
-    """The controller's policy of a variant and its instances' config overrides: a spill variant runs
-    the `static` policy with spilling on (clean-up `cleanup`), the others their policy with spilling off."""
-    if variant == "spill":
-        choice = "least-productive"
-    elif variant == "spill-most-productive":
-        choice = "most-productive"
-    else:
-        return variant, {}
+def variant_settings(variant: str, cleanup: str = "active") -> tuple[str, dict[str, float], dict[str, Any]]:
+    """The controller's policy of a variant, its parameters, and its instances' config overrides: a
+    spill variant runs the `static` policy with spilling on (clean-up `cleanup`), `memory-spill` the
+    `memory` policy coupled with spilling at the same threshold, the others their policy with spilling
+    off."""
+    if variant not in ("spill", "spill-most-productive", "memory-spill"):
+        return variant, {}, {}
     spilling = {
         "instance.spill_threshold": SPILL_THRESHOLD,
-        "instance.spill_choice": choice,
+        "instance.spill_choice": "most-productive"
+        if variant == "spill-most-productive"
+        else "least-productive",
         "instance.spill_cleanup": cleanup,
     }
-    return "static", spilling
+    if variant == "memory-spill":
+        return "memory", {"spill_room": SPILL_THRESHOLD}, spilling
+    return "static", {}, spilling
 
 
 def memory_config(
@@ -197,9 +200,10 @@ def run_variant(
     squeeze_at_s: float,
     squeeze_to: float,
     say: Callable[[str], None],
+    policy_params: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """One pipeline under `policy`: `squeeze_at_s` seconds into the input, the squeezed instance's budget
-    becomes `squeeze_to` of what its windows hold then."""
+    """One pipeline under `policy` (with `policy_params`): `squeeze_at_s` seconds into the input, the
+    squeezed instance's budget becomes `squeeze_to` of what its windows hold then."""
     from pipeline.control import set_state_budget
     from pipeline.oracle import verify_pipeline
 
@@ -210,7 +214,7 @@ def run_variant(
     squeezed_ms: float | None = None
     budget = 0
     try:
-        start_warm(pipeline, follower, records, policy, decisions=decisions)
+        start_warm(pipeline, follower, records, policy, policy_params, decisions=decisions)
         started_ms = time.time() * 1000
 
         def squeeze(since_s: float) -> None:
@@ -305,11 +309,11 @@ def run_memory_bench(
     with bench_run(cfg, "memory", say) as run:
         for variant in variants:
             name = f"{run.run_id}-{variant}"
-            policy, overrides = variant_settings(variant, spill_cleanup)
+            policy, params, overrides = variant_settings(variant, spill_cleanup)
             c = memory_config(cfg, name, rate, seconds, instances, window_s, hot_pids)
             c = c.with_overrides(**overrides)
             summary[variant] = run_variant(
-                c, run.bootstrap, run.work / name, policy, squeeze_at_s, squeeze_to, say
+                c, run.bootstrap, run.work / name, policy, squeeze_at_s, squeeze_to, say, params
             )
     least, most = summary.get("spill"), summary.get("spill-most-productive")
     if least and most:  # Liu and Rundensteiner: spilling the least productive leaves less to clean up

@@ -40,6 +40,11 @@ class PolicyMover(Protocol):
 
     def request(self, moves: Sequence[Move]) -> None: ...
 
+    def gate_spills(self, spill: bool) -> None:
+        """Tell the instances whether to spill at their threshold (`Decision.spill`), if they were told
+        otherwise."""
+        ...
+
     def snapshot(self, interval_s: float, now_s: float, last_adaptation_s: float | None) -> Snapshot | None:
         """Statistics of the last `interval_s` seconds, or None while there is no assignment yet."""
         ...
@@ -88,6 +93,8 @@ class PolicyRounds:
             return None  # tried again at the next tick: the instance's load is measured within a batch
         self.last_snapshot = snapshot
         decision = self.policy.decide(snapshot, self.params)
+        if decision.spill is not None and not dry_run:
+            mover.gate_spills(decision.spill)
         interval = decision.next_interval_s
         if decision.moves and not dry_run:
             mover.request(decision.moves)

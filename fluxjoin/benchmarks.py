@@ -224,9 +224,10 @@ def bench_memory(
     variants: Annotated[
         str,
         typer.Option(
-            help="Variants to run: static, spill, spill-most-productive, memory, flux-memory, hybrid."
+            help="Variants to run: static, spill, spill-most-productive, memory, memory-spill, "
+            "flux-memory, hybrid."
         ),
-    ] = "static,spill,spill-most-productive,memory,flux-memory,hybrid",
+    ] = "static,spill,spill-most-productive,memory,memory-spill,flux-memory,hybrid",
     spill_cleanup: Annotated[
         str, typer.Option(help="The spill variants' clean-up: active or lazy (docs/memory.md).")
     ] = "active",
@@ -236,9 +237,10 @@ def bench_memory(
     ] = False,
 ) -> None:
     """A memory squeeze: one instance's state budget cut below what its windows hold, with no adaptation,
-    spilling alone and each memory policy; per variant the time over budget, the peak fill, moves,
-    results while the input flowed, the clean-up's work and time, each output checked against the
-    oracle (exit 1 if one is not exact); the report's plot shows results over time per variant."""
+    spilling alone, each memory policy, and the memory policy coupled with spilling; per variant the
+    time over budget, the peak fill, moves, results while the input flowed, the clean-up's work and
+    time, each output checked against the oracle (exit 1 if one is not exact); the report's plot shows
+    results over time per variant."""
     from bench.memory import run_memory_bench
 
     chosen = [v for v in variants.split(",") if v]

@@ -25,7 +25,7 @@ from pipeline.config import Config
 from pipeline.control_view import ControlView, Fold, Message, SnapshotMsg, author_of
 from pipeline.instance_files import owned_pids, read_assignment, write_assignment
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
-from pipeline.protocol import AssignmentMsg, BudgetMsg, ProtocolError
+from pipeline.protocol import AssignmentMsg, BudgetMsg, ProtocolError, SpillGateMsg
 from pipeline.protocol_codec import decode, encode
 from pipeline.signing import may_say, produce_signed
 from pipeline.topics import broker_away, watermark_offsets
@@ -138,8 +138,8 @@ class ControlLog:
             self._fold_in(got)
             return bool(got)
 
-    def add_own(self, msg: AssignmentMsg) -> ControlView:
-        """Fold in an assignment this process has just published (flushed), before the log shows it.
+    def add_own(self, msg: AssignmentMsg | SpillGateMsg) -> ControlView:
+        """Fold in what this process has just published (flushed), before the log shows it.
 
         Read committed, the log shows a message only below the last stable offset: while a transaction
         an instance began before it is open (its `Released` or `Acquired` rides with its results), the
@@ -313,13 +313,17 @@ class InstanceFollower:
         self.state_budget = cfg.instance.state_budget()
         """The bytes of window state this instance may hold: set while it runs (`BudgetMsg`), else
         configured. The sink reports it next to the state its windows hold."""
+        self.spill_at_threshold = True
+        """Whether the sink spills at the configured threshold, or only past the whole budget while
+        another instance has room (`SpillGateMsg`)."""
 
     def sync(self) -> None:
         """Write the assignment file if the control log has a newer epoch than the file. Never an older
         one: the query acts on the file, and an older epoch would give it back pids it has released.
-        Take in the state budget the log sets."""
+        Take in the state budget and the spill gate the log sets."""
         view = self.log.catch_up()
         self.state_budget = view.budgets.get(self.instance) or self.cfg.instance.state_budget()
+        self.spill_at_threshold = view.spill is not False
         msg = view.assignment
         if msg is None:
             return

@@ -18,6 +18,7 @@ from pipeline.protocol import (
     ConflictingAssignments,
     MoveRequestMsg,
     ReleasedMsg,
+    SpillGateMsg,
     TrackDoneMsg,
     track_key,
 )
@@ -53,6 +54,9 @@ class ControlView:
     started: frozenset[str] = frozenset()
     budgets: Mapping[str, int] = field(default_factory=dict)
     """Each instance's state budget set while running (`BudgetMsg`), where one is set."""
+    spill: bool | None = None
+    """The newest `SpillGateMsg`'s word: whether instances spill at their threshold (None: never said,
+    they do)."""
 
     def apply(self, msg: Message) -> ControlView:
         """The view after one more message (`Fold.add`)."""
@@ -93,13 +97,23 @@ class SnapshotMsg:
     version: int = PROTOCOL_VERSION
 
 
-Message = AssignmentMsg | ReleasedMsg | AcquiredMsg | TrackDoneMsg | MoveRequestMsg | BudgetMsg | SnapshotMsg
+Message = (
+    AssignmentMsg
+    | ReleasedMsg
+    | AcquiredMsg
+    | TrackDoneMsg
+    | MoveRequestMsg
+    | BudgetMsg
+    | SpillGateMsg
+    | SnapshotMsg
+)
 
 
 Ack = ReleasedMsg | AcquiredMsg | TrackDoneMsg
 
 CONTROLLER = "controller"
-"""The writer of assignments, snapshots, move requests and budgets (`pipeline.signing.CONTROLLER`)."""
+"""The writer of assignments, snapshots, move requests, budgets and spill gates
+(`pipeline.signing.CONTROLLER`)."""
 
 
 def author_of(msg: Message) -> str:
@@ -122,6 +136,7 @@ class Fold:
       refers to its move, as its writer read that assignment before writing it.
     - A request keeps the pids whose move no assignment has started.
     - A budget: the newest per instance; 0 drops it (the configured one applies again).
+    - A spill gate: the newest.
 
     `complete` is False for a fold that began after the log's first records (deleted): the assignment
     an acknowledgement follows may be among them, so it keeps every acknowledgement until a snapshot
@@ -139,6 +154,7 @@ class Fold:
         self._requests: dict[str, MoveRequestMsg] = {}  # by request id, with the pids not started
         self._finished: dict[str, list[Ack]] = {}  # move id -> its acknowledgements, oldest move first
         self._budgets: dict[str, int] = {}
+        self._spill: bool | None = None
         if start is not None:
             self.merge(start)
 
@@ -156,6 +172,8 @@ class Fold:
             self._request(msg)
         elif isinstance(msg, BudgetMsg):
             self._budget(msg.instance, msg.state_budget_bytes)
+        elif isinstance(msg, SpillGateMsg):
+            self._spill = msg.spill
         elif not self.complete or self.assignment is None or msg.move_id in self._moves:
             self._acknowledge(msg)
 
@@ -171,6 +189,8 @@ class Fold:
             self._request(request)
         for instance, budget in view.budgets.items():  # a snapshot's are newer than what preceded it
             self._budget(instance, budget)
+        if view.spill is not None:
+            self._spill = view.spill
         ongoing = moves_of(self.assignment) if self.assignment is not None else frozenset()
         for move_id in view.started - ongoing:
             self._finished.setdefault(move_id, [])
@@ -195,6 +215,7 @@ class Fold:
             requests=tuple(self._requests.values()),
             started=self._moves | self._finished.keys() if finished else self._moves,
             budgets=dict(self._budgets),
+            spill=self._spill,
         )
 
     def _newer(self, msg: AssignmentMsg) -> bool:

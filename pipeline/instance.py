@@ -198,10 +198,12 @@ def start_query(
     incarnation: str,
     on_commit: Callable[[BatchRecord], None] | None = None,
     state_budget: Callable[[], int] | None = None,
+    spill_gate: Callable[[], bool] | None = None,
 ) -> tuple[Any, ExactlyOnceSink]:
     """Build and start the instance's streaming query; the assignment file must exist. Returns the query
-    and its sink; `on_commit` gets each committed batch's metrics record, from the first batch on, and
-    `state_budget` says what its windows may hold (the configured budget when None)."""
+    and its sink; `on_commit` gets each committed batch's metrics record, from the first batch on,
+    `state_budget` says what its windows may hold (the configured budget when None), and `spill_gate`
+    whether it spills at its threshold now (`SpillGateMsg`; always when None)."""
     from pipeline.operator import STATE_SCHEMA, make_join_function, output_schema
     from pipeline.sink import ExactlyOnceSink
     from pipeline.source import FluxjoinSource
@@ -254,6 +256,7 @@ def start_query(
         on_commit,
         state_budget,
         spill_requests,
+        spill_gate,
     )
     query = (
         joined.writeStream.queryName(name.replace("-", "_"))
@@ -426,10 +429,20 @@ def _run(
             "org.apache.spark.sql.execution.streaming.runtime.ProcessingTimeExecutor",
             jvm.org.apache.logging.log4j.Level.ERROR,
         )
-    budget = lambda: follower.state_budget  # noqa: E731
-    query, sink = start_query(
-        spark, cfg, bootstrap, name, follower.incarnation, metrics.observe_batch, budget
-    )
+
+    def start() -> tuple[Any, ExactlyOnceSink]:
+        return start_query(
+            spark,
+            cfg,
+            bootstrap,
+            name,
+            follower.incarnation,
+            metrics.observe_batch,
+            lambda: follower.state_budget,
+            lambda: follower.spill_at_threshold,
+        )
+
+    query, sink = start()
     stopping = threading.Event()
 
     def _stop(signum: int, frame: Any) -> None:
@@ -485,9 +498,7 @@ def _run(
                 log.warning("%s: %s; starting the query again", name, str(error).splitlines()[0][:300])
             else:
                 break
-            query, sink = start_query(
-                spark, cfg, bootstrap, name, follower.incarnation, metrics.observe_batch, budget
-            )
+            query, sink = start()
     except (Py4JError, ConnectionError) as lost:  # the JVM exited: out of memory (see spark_session), killed
         health.enter(Phase.STOPPED, f"Spark's JVM is gone ({type(lost).__name__})")
         log.error("%s: Spark's JVM is gone (%s), exiting", name, type(lost).__name__)

@@ -241,6 +241,17 @@ class BudgetMsg:
             raise ValueError(f"{self.instance}: a budget must be >= 0 bytes, got {self.state_budget_bytes}")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpillGateMsg:
+    """Whether instances spill at their spill threshold (`spill`), or only once their windows pass the
+    whole budget: Liu and Rundensteiner's coupling of spilling with the distributed adaptation, which
+    spills locally only when no instance has room (the `memory` policy with `spill_room`, decision
+    0068). Until one is published, instances spill at their threshold."""
+
+    spill: bool
+    version: int = PROTOCOL_VERSION
+
+
 class ProtocolError(ValueError):
     """A control message that cannot be decoded (unknown kind, newer version, missing field)."""
 

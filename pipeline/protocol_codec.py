@@ -23,6 +23,7 @@ from pipeline.protocol import (
     ProtocolError,
     ReleasedMsg,
     Snapshot,
+    SpillGateMsg,
     TrackDoneMsg,
 )
 from pipeline.spill import spill_points
@@ -44,6 +45,13 @@ def snapshot_from_json(d: dict[str, Any] | None) -> Snapshot | None:
 
 def _stream_max(v: list[int] | None) -> tuple[int, ...] | None:
     return tuple(int(t) for t in v) if v is not None else None
+
+
+def _flag(v: Any) -> bool:
+    """A JSON boolean, refused if it is anything else (a string "false" would read as True)."""
+    if not isinstance(v, bool):
+        raise ValueError(f"expected true or false, got {v!r}")
+    return v
 
 
 def handoff_to_json(h: Handoff) -> dict[str, Any]:
@@ -129,6 +137,8 @@ def message_to_json(msg: Message) -> dict[str, Any]:
         }
     elif isinstance(msg, BudgetMsg):
         body = {"kind": "budget", "instance": msg.instance, "state_budget_bytes": msg.state_budget_bytes}
+    elif isinstance(msg, SpillGateMsg):
+        body = {"kind": "spill_gate", "spill": msg.spill}
     elif isinstance(msg, SnapshotMsg):
         view = msg.view
         body = {
@@ -140,6 +150,7 @@ def message_to_json(msg: Message) -> dict[str, Any]:
             "track_done": [message_to_json(m) for _, m in sorted(view.track_done.items())],
             "requests": [message_to_json(m) for m in view.requests],
             "budgets": dict(sorted(view.budgets.items())),
+            "spill": view.spill,
         }
     else:
         body = {
@@ -209,6 +220,8 @@ def message_from_json(d: Any) -> Message:
             )
         if kind == "budget":
             return BudgetMsg(instance=d["instance"], state_budget_bytes=int(d["state_budget_bytes"]))
+        if kind == "spill_gate":
+            return SpillGateMsg(spill=_flag(d["spill"]))
         if kind == "snapshot":
             assignment = _decoded(AssignmentMsg, d["assignment"]) if d["assignment"] is not None else None
             released = [_decoded(ReleasedMsg, m) for m in d["released"]]
@@ -223,6 +236,7 @@ def message_from_json(d: Any) -> Message:
                     requests=tuple(_decoded(MoveRequestMsg, m) for m in d["requests"]),
                     started=moves_of(assignment) if assignment is not None else frozenset(),
                     budgets={str(i): int(b) for i, b in d.get("budgets", {}).items()},
+                    spill=None if d.get("spill") is None else _flag(d["spill"]),
                 ),
                 read_to=int(d["read_to"]),
             )

@@ -128,6 +128,7 @@ class ExactlyOnceSink:
         on_commit: Callable[[BatchRecord], None] | None = None,
         state_budget: Callable[[], int] | None = None,
         spill_requests: Path | None = None,
+        spill_gate: Callable[[], bool] | None = None,
     ) -> None:
         from confluent_kafka import Producer
         from confluent_kafka.admin import AdminClient
@@ -178,6 +179,9 @@ class ExactlyOnceSink:
         """Called with each committed batch's metrics record, after its commit (the instance's /metrics)."""
         self.state_budget = state_budget or cfg.instance.state_budget
         """The bytes of window state the instance may hold now (`InstanceFollower.state_budget`)."""
+        self.spill_gate = spill_gate or (lambda: True)
+        """Whether to spill at the configured threshold now, or only past the whole budget
+        (`InstanceFollower.spill_at_threshold`)."""
         self._held: dict[int, int] = {}
         """Each kept pid's window state in bytes, as its newest batch left it: a batch reports only the
         pids it read, and an idle pid holds its window still."""
@@ -241,10 +245,12 @@ class ExactlyOnceSink:
     def _note_spills(self, offsets: dict[str, Any], metrics: BatchRecord) -> None:
         """Ask the next batch to spill pids while the windows hold more than the spill threshold of the
         budget (`pipeline.spill.choose_spills`): pids in a move or an overlap, or spilled `MAX_SPILLS`
-        times already, are not candidates; a spilled pid's newest generation is one. And bound the next
-        batch's input by the room the budget leaves after those spills (`pipeline.spill.batch_room`):
-        an instance behind its input would otherwise read a batch larger than the budget itself. The
-        next batch's plan decides (`FluxjoinStreamReader`), and Spark logs it."""
+        times already, are not candidates; a spilled pid's newest generation is one. While the
+        controller closes the spill gate (another instance has room, `SpillGateMsg`), only past the
+        whole budget. And bound the next batch's input by the room the budget leaves after those spills
+        (`pipeline.spill.batch_room`): an instance behind its input would otherwise read a batch larger
+        than the budget itself. The next batch's plan decides (`FluxjoinStreamReader`), and Spark logs
+        it."""
         settings = self.cfg.instance
         if self.spill_requests_path is None or settings.spill_threshold <= 0:
             return
@@ -256,17 +262,19 @@ class ExactlyOnceSink:
         budget = metrics["state_budget_bytes"]
         read = self._read_since_last(offsets["offsets"])
         waiting = sum(metrics["lag"].values()) * metrics["tuples_in"] // read if read > 0 else 0
+        wanted = max(metrics["tuples_in"], min(waiting, settings.max_rows_per_batch))
         chosen = choose_spills(
             self._held,
             recent,
             budget,
-            settings.spill_threshold,
+            settings.spill_threshold if self.spill_gate() else 1.0,
             settings.spill_fraction,
             SpillChoice(settings.spill_choice),
             [p for p in self._held if p not in busy],
-            # What the next batch is expected to add: the input waiting beyond this batch now (`lag`,
-            # in messages, at the tuples per message this batch read), or as much as this batch read.
-            incoming=int(max(metrics["tuples_in"], waiting) * (per_tuple or 0)),
+            # What the next batch is expected to add: as much as this one read, or the input waiting
+            # now (`lag`, at the tuples per message this batch read) up to a whole batch of
+            # `max_rows_per_batch`: room for a batch that keeps up, not for the whole of a backlog.
+            incoming=int(wanted * (per_tuple or 0)),
         )
         room = None if per_tuple is None else batch_room(self._held, chosen, budget, per_tuple)
         write_spill_requests(

@@ -38,6 +38,10 @@ class PidMover(Protocol):
         """Ask for moves; idempotent for moves already in flight."""
         ...
 
+    def gate_spills(self, spill: bool) -> None:
+        """Tell the instances whether to spill at their threshold (`Decision.spill`)."""
+        ...
+
     def in_flight(self) -> Sequence[Move]:
         """Moves requested and not yet complete."""
         ...

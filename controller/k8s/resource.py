@@ -184,6 +184,13 @@ class MemorySettings(_Spec):
     min_span_s: float = Field(
         _MEMORY.min_span_s, ge=0, description="Seconds between two adaptations at least."
     )
+    spill_room: float = Field(
+        _MEMORY.spill_room,
+        ge=0,
+        le=1,
+        description="Above 0, instances spill only when none has room, that is holds less than this "
+        "share of its state budget (set it to instance.spillThreshold); 0 leaves spilling to each.",
+    )
 
 
 def settings_section(policy: str) -> str:

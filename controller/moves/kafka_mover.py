@@ -33,7 +33,7 @@ from controller.policies.base import InstanceStats, Snapshot
 from pipeline.config import Config
 from pipeline.control import ControlLog, publish
 from pipeline.kafka_client import kafka_config
-from pipeline.protocol import AssignmentMsg, Mode, MoveRequestMsg, MoveSpec
+from pipeline.protocol import AssignmentMsg, Mode, MoveRequestMsg, MoveSpec, SpillGateMsg
 
 TICK_S = 0.1
 """The longest wait between two steps of the moves in flight; a control message (a move's
@@ -116,6 +116,14 @@ class KafkaPidMover:
             if not any(s.pid == move.pid for s in self._requested.values()):
                 self._requested[spec.move_id] = spec
         self.step()
+
+    def gate_spills(self, spill: bool) -> None:
+        """Publish a `SpillGateMsg` when the log says otherwise (never said counts as spilling)."""
+        if (self.log.catch_up().spill is not False) != spill:
+            self._publish(SpillGateMsg(spill=spill))
+            self.say(
+                f"spill gate: instances spill {'at their threshold' if spill else 'only past their budget'}"
+            )
 
     def in_flight(self) -> Sequence[Move]:
         return moves_in_flight(self.log.catch_up())
@@ -236,7 +244,7 @@ class KafkaPidMover:
             self.say(line)
         return fresh
 
-    def _publish(self, msg: AssignmentMsg | None) -> None:
+    def _publish(self, msg: AssignmentMsg | SpillGateMsg | None) -> None:
         """Publish `msg` (None: only a snapshot) in a transaction of the controller's transactional id: it
         commits only while no other controller of the pipeline has started since this one
         (`ControllerFenced` otherwise). A failed publication is not in this controller's view, so its

@@ -175,6 +175,10 @@ class Decision:
     balanced: bool = False
     """The policy found the instances balanced by its own test (flux: the most and the least utilized
     instance within th_imb of each other), as opposed to held back by another rule."""
+    spill: bool | None = None
+    """Whether instances should spill at their spill threshold (True) or only past their whole budget
+    (False): Liu and Rundensteiner's coupling, which spills locally only when no instance has room
+    (`pipeline.protocol.SpillGateMsg`). None: the policy does not say."""
 
     @property
     def changes(self) -> bool:

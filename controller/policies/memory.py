@@ -24,11 +24,18 @@ Where the paper leaves room, this module chooses as follows:
   injected clock as `Snapshot.now_s`; the caller records it when it orders the moves.
 - The next decision is due after the snapshot's own interval: the paper samples periodically and gives
   no interval of its own.
+- Spilled pids (`PidStats.spilled_bytes`) never move: their old generations are out of memory, and a
+  move would first bring them back on the sender to clean them up (docs/memory.md).
+- Their lazy-disk rule, "spill locally only when no machine has room", is `spill_room` (0: off). An
+  instance has room when it reports a budget and holds less than `spill_room` of it (set it to the
+  instances' `spill_threshold`). Every round then says whether instances spill at their threshold
+  (`Decision.spill`): only when none has room; otherwise only past their whole budget, while this
+  policy moves state to the instance with room (decision 0068).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from controller.assignment import HandoffMode, Move
@@ -42,8 +49,13 @@ class MemoryParams:
     theta_d: float = 0.8
     min_span_s: float = 45.0
     mode: HandoffMode = HandoffMode.TRANSFER
+    spill_room: float = 0.0
+    """Couple the instances' spilling with this policy when > 0: the share of its budget below which an
+    instance has room."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.spill_room <= 1.0:
+            raise ValueError(f"spill_room must be in [0, 1], got {self.spill_room}")
         if not 0.0 < self.theta_d <= 1.0:
             raise ValueError(f"theta_d must be in (0, 1], got {self.theta_d}")
         if self.min_span_s < 0.0:
@@ -59,7 +71,22 @@ class MemoryPolicy:
         return MemoryParams()
 
     def decide(self, snapshot: Snapshot, params: MemoryParams) -> Decision:
-        """One distributed adaptation, or the reason there is none."""
+        """One distributed adaptation, or the reason there is none; with `spill_room`, whether instances
+        spill at their threshold."""
+        decision = self._adapt(snapshot, params)
+        if params.spill_room <= 0:
+            return decision
+        roomy = [
+            s.instance
+            for s in snapshot.instances
+            if s.memory_limit_bytes > 0 and s.state_bytes < params.spill_room * s.memory_limit_bytes
+        ]
+        if not roomy:
+            return replace(decision, spill=True, reason=f"{decision.reason}; no instance has room: spill")
+        reason = f"{decision.reason}; {', '.join(roomy)} ha{'s' if len(roomy) == 1 else 've'} room: no spill"
+        return replace(decision, spill=False, reason=reason)
+
+    def _adapt(self, snapshot: Snapshot, params: MemoryParams) -> Decision:
         interval = snapshot.interval_s
         if snapshot.moves_in_flight:
             return no_change(f"memory: {len(snapshot.moves_in_flight)} move(s) still in flight", interval)
@@ -86,7 +113,9 @@ class MemoryPolicy:
         candidates = [
             stats
             for pid in snapshot.assignment.pids_of(sender.instance)
-            if (stats := snapshot.pids.get(pid)) is not None and stats.state_bytes > 0
+            if (stats := snapshot.pids.get(pid)) is not None
+            and stats.state_bytes > 0
+            and stats.spilled_bytes == 0
         ]
         candidates.sort(key=lambda s: (-Fraction(s.results, s.state_bytes), s.pid))
         moves: list[Move] = []

@@ -16,7 +16,7 @@ from bench.soak import Watch
 from controller.moves.kafka_mover import request_moves
 from local.processes import LocalPipeline, MetricsFollower, wait_drained
 from pipeline.config import Config
-from pipeline.control import wait_for
+from pipeline.control import set_state_budget, wait_for
 from pipeline.oracle import verify_pipeline
 from pipeline.protocol import Mode
 from tests.integration.test_pipeline import small_config
@@ -213,6 +213,74 @@ def test_a_budget_below_the_working_set_is_held_by_spilling_again_and_the_clean_
         f"over the budget of 200,000: {figures[peak - 2 : peak + 1]}"
     )
     assert _spilled_again(records), "a spilled pid's newest generation spilled too"
+    report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
+    assert report.expected > 10_000
+    assert report.exact, report.describe()
+
+
+def test_coupled_spilling_waits_while_another_instance_has_room_and_spills_once_none_has(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """Liu and Rundensteiner's lazy disk spills locally only when no instance has room (the `memory`
+    policy with `spill_room`, decision 0068). Each instance's windows hold about 400 KB. Squeezed to a
+    1.5 MB budget, instance-0 is over its 0.2 spill threshold; instance-1, at 4 MB, has room, so the
+    controller keeps the spill gate closed and instance-0 does not spill (before the coupling it spilled
+    at its threshold whatever room instance-1 had). Squeezed too, instance-1 has no room left: the gate
+    opens, instance-0 spills, and the clean-up keeps the output exact. The squeezed budget leaves room
+    for pids the policy moves in and a whole batch of input (`max_rows_per_batch`, 480 KB): past it an
+    instance spills whatever the gate says."""
+    cfg = spilling_config(topic_prefix, "lazy", seconds=60).with_overrides(
+        instances=2, **{"instance.state_budget_bytes": 4_000_000, "instance.spill_threshold": 0.2}
+    )
+    pipeline = LocalPipeline(cfg, kafka_bootstrap, tmp_path)
+    batches = Batches(pipeline)
+    watch = Watch(pipeline)
+    squeezed = 1_500_000
+
+    def over_threshold(instance: str) -> bool:
+        newest = batches.newest(instance)
+        return (
+            newest is not None
+            and newest["state_budget_bytes"] == squeezed
+            and newest["state_bytes"] > 0.2 * squeezed
+        )
+
+    try:
+        pipeline.start_controller(
+            policy="memory",
+            policy_params={"spill_room": 0.2, "min_span_s": 5.0},
+            decisions=tmp_path / "rounds",
+        )
+        for name in ("instance-0", "instance-1"):
+            pipeline.start_instance(name)
+        pipeline.wait_running(["instance-0", "instance-1"])
+        pipeline.start_generator()
+        watch.until(lambda v: v.spill is False, 90, "the controller closing the spill gate: both have room")
+        set_state_budget(cfg, kafka_bootstrap, "instance-0", squeezed)
+        batches.until(lambda rs: over_threshold("instance-0"), 90, "instance-0 over its spill threshold")
+        time.sleep(10)  # batches over the threshold while instance-1 has room
+        assert watch.log.catch_up().spill is False
+        held = [
+            r for r in batches.poll() if r["instance"] == "instance-0" and r["state_budget_bytes"] == squeezed
+        ]
+        figures = [
+            {k: r[k] for k in ("batch", "epoch", "state_bytes", "tuples_in", "lag", "spilled")} for r in held
+        ]
+        assert max(r["state_bytes"] for r in held) > 0.2 * squeezed
+        assert not _spilled(held, "instance-0"), f"it spilled while instance-1 had room: {figures}"
+        assert max(r["state_bytes"] for r in held) <= squeezed, "past its whole budget it would spill"
+
+        set_state_budget(cfg, kafka_bootstrap, "instance-1", squeezed)
+        watch.until(lambda v: v.spill is True, 60, "the gate open: no instance has room")
+        batches.until(lambda rs: _spilled(rs, "instance-0"), 60, "instance-0 spilling")
+        assert pipeline.procs["generator"].wait(180) == 0, pipeline.log_tail("generator")
+        wait_drained(pipeline, timeout_s=300)
+        instances = ["instance-0", "instance-1"]
+        batches.until(lambda rs: _all_cleaned(batches, instances), 120, "every spilled pid cleaned up")
+    finally:
+        pipeline.stop()
+        batches.close()
+        watch.log.close()
     report = verify_pipeline(pipeline.cfg, kafka_bootstrap)
     assert report.expected > 10_000
     assert report.exact, report.describe()

@@ -78,6 +78,9 @@ class RecordingMover:
         self.calls.append(("request", tuple(moves)))
         self.moving.extend(m for m in moves if m not in self.moving)
 
+    def gate_spills(self, spill: bool) -> None:
+        self.calls.append(("gate_spills", spill))
+
     def in_flight(self) -> Sequence[Move]:
         return tuple(self.moving + self.tails)
 

@@ -96,12 +96,19 @@ def test_the_clean_ups_work_and_how_long_after_the_input_it_ended() -> None:
 
 
 def test_a_spill_variant_runs_no_policy_with_spilling_on() -> None:
-    assert variant_settings("hybrid") == ("hybrid", {})
-    policy, overrides = variant_settings("spill-most-productive", "lazy")
-    assert policy == "static"
+    assert variant_settings("hybrid") == ("hybrid", {}, {})
+    policy, params, overrides = variant_settings("spill-most-productive", "lazy")
+    assert (policy, params) == ("static", {})
     assert overrides["instance.spill_choice"] == "most-productive"
     assert overrides["instance.spill_threshold"] > 0
     assert overrides["instance.spill_cleanup"] == "lazy"
+
+
+def test_the_coupled_variant_runs_the_memory_policy_with_room_at_the_spill_threshold() -> None:
+    policy, params, overrides = variant_settings("memory-spill")
+    assert policy == "memory"
+    assert params == {"spill_room": overrides["instance.spill_threshold"]}
+    assert overrides["instance.spill_choice"] == "least-productive"
 
 
 def test_hot_pids_give_the_pids_different_productivity_and_keep_their_hot_set() -> None:

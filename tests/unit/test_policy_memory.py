@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import pytest
 
@@ -165,3 +166,36 @@ def test_params_are_checked(kwargs: dict[str, float]) -> None:
 def test_paper_defaults_and_registry() -> None:
     assert POLICIES["memory"].default_params() == MemoryParams(theta_d=0.8, min_span_s=45.0)
     assert PARAMS.mode is HandoffMode.TRANSFER
+
+
+def test_a_spilled_pid_never_moves() -> None:
+    """Its old generations are out of memory: a move would bring them back on the sender first."""
+    sites = {"a": uniform(0, 10), "b": uniform(10, 2)}
+    snap = snapshot_of(sites)
+    spilled = {p: replace(s, spilled_bytes=500) if p < 9 else s for p, s in snap.pids.items()}
+    decision = MEMORY.decide(replace(snap, pids=spilled), PARAMS)
+    assert [m.pid for m in decision.moves] == [9]
+
+
+@pytest.mark.parametrize(
+    ("held", "spill"),
+    [
+        pytest.param({"a": 900, "b": 300}, False, id="b-has-room"),
+        pytest.param({"a": 900, "b": 850}, True, id="none-has-room"),
+    ],
+)
+def test_coupled_spilling_waits_while_an_instance_has_room(held: dict[str, int], spill: bool) -> None:
+    """Liu and Rundensteiner's lazy disk spills locally only when no machine has room: with
+    `spill_room` 0.8, an instance under 80% of its budget has room, and while one has, instances spill
+    only past their whole budget. Every round says so, moves or not."""
+    sites = {j: {k: (size, 1)} for k, (j, size) in enumerate(held.items())}
+    snap = snapshot_of(sites, limits={"a": 1000, "b": 1000}, in_flight=frozenset({0}))
+    decision = MEMORY.decide(snap, replace(PARAMS, spill_room=0.8))
+    assert decision.spill is spill
+    assert not decision.moves, "a move in flight holds the adaptation back, not the gate"
+    assert MEMORY.decide(snap, PARAMS).spill is None, "uncoupled: the policy does not say"
+
+
+def test_an_instance_without_a_known_budget_has_no_room_to_offer() -> None:
+    snap = snapshot_of({"a": {0: (900, 1)}, "b": {1: (10, 1)}}, limits={"a": 1000})
+    assert MEMORY.decide(snap, replace(PARAMS, spill_room=0.8)).spill is True

@@ -33,6 +33,7 @@ class Mover:
     tails: list[Move] = field(default_factory=list)
     """Moves past their release: handoffs not yet acquired, parallel tracks' tails."""
     requested: list[Move] = field(default_factory=list)
+    gates: list[bool] = field(default_factory=list)
     snapshots: list[tuple[float, float | None]] = field(default_factory=list)
     assignment: Assignment | None = ASSIGNMENT
     warming: frozenset[str] = frozenset()
@@ -43,6 +44,9 @@ class Mover:
     def request(self, moves: Sequence[Move]) -> None:
         self.requested += moves
         self.moving += moves
+
+    def gate_spills(self, spill: bool) -> None:
+        self.gates.append(spill)
 
     def snapshot(self, interval_s: float, now_s: float, last_adaptation_s: float | None) -> Snapshot | None:
         self.snapshots.append((interval_s, last_adaptation_s))
@@ -549,3 +553,17 @@ def test_a_snapshot_carries_each_pids_results_for_the_memory_policy() -> None:
         b["pids"]["1"]["results"] = 10
     snap = snapshot_of(batches, ["a", "b"], ASSIGNMENT, frozenset(), 16_000, 16.0, 16.0, None)
     assert {p: s.results for p, s in snap.pids.items()} == {0: 800, 1: 20}
+
+
+def test_a_round_passes_the_policys_spill_gate_on_unless_it_is_a_dry_run() -> None:
+    coupled = policy_params("memory", HandoffMode.TRANSFER, spill_room=0.5)
+    mover = Mover()
+    assert PolicyRounds.begin("memory", coupled, now_s=0.0).tick(mover, now_s=10.0) is not None
+    assert mover.gates == [True], "no instance reports a budget: none has room, so instances spill"
+    dry = Mover()
+    assert PolicyRounds.begin("memory", coupled, now_s=0.0).tick(dry, now_s=10.0, dry_run=True) is not None
+    assert dry.gates == []
+    uncoupled = Mover()
+    rounds = PolicyRounds.begin("flux", policy_params("flux", HandoffMode.TRANSFER), now_s=0.0)
+    assert rounds.tick(uncoupled, now_s=10.0) is not None
+    assert uncoupled.gates == [], "a policy that does not say leaves the gate as it is"

@@ -8,7 +8,7 @@ import pytest
 from pipeline.batch_metrics import held_after
 from pipeline.config import Config, spark_bytes
 from pipeline.control_view import ControlView, Fold, SnapshotMsg, fold
-from pipeline.protocol import BudgetMsg
+from pipeline.protocol import BudgetMsg, ProtocolError, SpillGateMsg
 from pipeline.protocol_codec import decode, encode
 
 
@@ -62,3 +62,25 @@ def test_budgets_survive_the_wire_and_a_snapshot() -> None:
 def test_a_negative_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="budget"):
         BudgetMsg(instance="i-0", state_budget_bytes=-1)
+
+
+def test_the_newest_spill_gate_wins_and_survives_the_wire_and_a_snapshot() -> None:
+    """Never said, instances spill at their threshold; the controller's newest word holds, also for a
+    reader whose log begins after it (a snapshot carries it)."""
+    assert ControlView().spill is None
+    closed = SpillGateMsg(spill=False)
+    assert decode(encode(closed)) == closed
+    assert fold([SpillGateMsg(spill=True), closed]).spill is False
+    assert fold([closed, SpillGateMsg(spill=True)]).spill is True
+    snap = decode(encode(SnapshotMsg(view=fold([closed]).pruned(), read_to=1)))
+    assert isinstance(snap, SnapshotMsg) and snap.view.spill is False
+    late = Fold(complete=False)
+    late.add(snap)
+    assert late.view().spill is False
+    assert fold([closed]).merge(ControlView()).spill is False, "a view that never heard keeps the word"
+
+
+def test_a_spill_gate_that_is_not_a_boolean_is_refused() -> None:
+    raw = encode(SpillGateMsg(spill=False)).replace(b"false", b'"false"')
+    with pytest.raises(ProtocolError, match="true or false"):
+        decode(raw)
