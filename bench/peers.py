@@ -25,6 +25,7 @@ In one run, on one broker, one engine at a time:
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import statistics
 import subprocess
@@ -352,6 +353,18 @@ def run_flink_unbounded(
     return run
 
 
+def alternated(engines: Sequence[str], repeat: int) -> Sequence[str]:
+    """The engines in their order on even repeats and reversed on odd ones, so that a machine whose
+    load rises or falls during a run favours neither engine's median."""
+    return engines[::-1] if repeat % 2 else engines
+
+
+def loaded(measured: dict[str, Any]) -> dict[str, Any]:
+    """A measurement with the machine's 1-minute load average at its end: other work on the machine
+    shows in the report, next to the numbers it depressed."""
+    return measured | {"load_1m": round(os.getloadavg()[0], 2)}
+
+
 def run_peers_bench(
     cfg: Config,
     tuples: int = 2_000_000,
@@ -369,10 +382,14 @@ def run_peers_bench(
     with bench_run(cfg, "peers", say) as run:
         for i in range(repeats):
             c = catchup_config(cfg, f"{run.run_id}-catchup-{i}", tuples)
+            work = run.work / f"catchup-{i}"
             say(f"[{i + 1}/{repeats}] pre-loading {tuples:,} tuples into {', '.join(c.input_topics)}")
             run_generator(c, run.bootstrap)
-            ours.append(measure_fluxjoin(c, run.bootstrap, run.work / f"catchup-{i}", say))
-            flink.append(measure_flink(c, run.bootstrap, run.work / f"catchup-{i}", classpath, say))
+            for engine in alternated(("fluxjoin", "flink"), i):
+                if engine == "fluxjoin":
+                    ours.append(loaded(measure_fluxjoin(c, run.bootstrap, work, say)))
+                else:
+                    flink.append(loaded(measure_flink(c, run.bootstrap, work, classpath, say)))
         lat = latency_config(cfg, f"{run.run_id}-latency", latency_rate, latency_s)
         own: dict[str, Any] = {}
 
@@ -380,11 +397,11 @@ def run_peers_bench(
             own.update(measure_latency(lat, run.bootstrap, run.work / "latency", say))
             watch.wait_quiet()
 
-        ours_lat = watched_latency(lat, run.bootstrap, fluxjoin_latency, say, "fluxjoin")
+        ours_lat = loaded(watched_latency(lat, run.bootstrap, fluxjoin_latency, say, "fluxjoin"))
         ours_lat["own_metric"] = own
         flink_cfg = latency_config(cfg, f"{run.run_id}-latency-flink", latency_rate, latency_s)
         flink_run = run_flink_unbounded(flink_cfg, run.bootstrap, run.work / "latency-flink", classpath)
-        flink_lat = watched_latency(flink_cfg, run.bootstrap, flink_run, say, "flink")
+        flink_lat = loaded(watched_latency(flink_cfg, run.bootstrap, flink_run, say, "flink"))
     ours_rate = statistics.median(r["tuples_per_s"] for r in ours)
     flink_rate = statistics.median(r["tuples_per_s"] for r in flink)
     summary = {

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.peers import MAIN_CLASS, FlinkJob, latency_percentiles, markers
+from bench.peers import MAIN_CLASS, FlinkJob, alternated, latency_percentiles, markers
 
 
 def _job(bounded: bool) -> FlinkJob:
@@ -66,3 +66,9 @@ def test_latency_is_read_time_minus_max_event_time_after_the_warm_up() -> None:
     assert p99 is not None and 1.4 < p99 <= 1.5
     assert latency_percentiles(seen, warm_up_s=60) == (None, None, 0)
     assert latency_percentiles([]) == (None, None, 0)
+
+
+def test_the_engines_take_turns_going_first() -> None:
+    engines = ("fluxjoin", "flink")
+    assert [alternated(engines, i)[0] for i in range(4)] == ["fluxjoin", "flink", "fluxjoin", "flink"]
+    assert sorted(alternated(engines, 1)) == sorted(engines), "every engine runs in every repeat"
