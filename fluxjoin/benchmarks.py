@@ -116,6 +116,25 @@ def bench_throughput(
             print(f"{key:>22}: {summary[key]}")
 
 
+@_pipeline_bench("peers")
+def bench_peers(
+    shared: SharedOptions,
+    tuples: Annotated[int, typer.Option(help="Tuples pre-loaded for the catch-up runs.")] = 2_000_000,
+    repeats: Annotated[int, typer.Option(help="Catch-up runs of each engine (medians reported).")] = 1,
+    latency_rate: Annotated[float, typer.Option(help="Tuples/s in total for the latency runs.")] = 20_000,
+    latency_seconds: Annotated[float, typer.Option(help="Seconds of input per latency run.")] = 60,
+) -> None:
+    """One instance against Apache Flink's interval join (a Java job on a local MiniCluster, built with
+    Maven on first use): catch-up rate and result latency at 20K tuples/s, both engines on the same
+    input and cores one at a time, both outputs checked against the oracle (exit 1 if one is not exact)."""
+    from bench.peers import run_peers_bench
+
+    summary = run_peers_bench(shared.cfg, tuples, repeats, latency_rate, latency_seconds, say=shared.say)
+    compact = {k: v for k, v in summary.items() if k != "runs"}
+    print(json.dumps(compact) if shared.json else json.dumps(compact, indent=2))
+    raise typer.Exit(0 if summary["exact"] and summary["flink_exact"] else 1)
+
+
 KeySecondsOpt = Annotated[
     float,
     typer.Option(

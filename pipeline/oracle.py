@@ -582,17 +582,26 @@ def check_topics(cfg: Config, bootstrap: str) -> None:
             )
 
 
-def verify_pipeline(
-    cfg: Config, bootstrap: str, progress: Callable[[str], None] | None = None
-) -> VerifyReport:
-    say = progress or _quiet
-    check_topics(cfg, bootstrap)
+def read_inputs(
+    cfg: Config, bootstrap: str, say: Callable[[str], None] = _quiet
+) -> tuple[list[list[PartitionLog]], int]:
+    """The partition logs of each configured stream's input topic, and the malformed records of all:
+    what `judge` takes as the input, whichever engine's results it judges."""
     inputs, malformed = [], 0
     for s in cfg.streams:
         say(f"reading {cfg.input_topic(s)}")
         logs, bad = partition_logs(read_records(bootstrap, cfg.input_topic(s)), cfg.partitions)
         inputs.append(logs)
         malformed += bad
+    return inputs, malformed
+
+
+def verify_pipeline(
+    cfg: Config, bootstrap: str, progress: Callable[[str], None] | None = None
+) -> VerifyReport:
+    say = progress or _quiet
+    check_topics(cfg, bootstrap)
+    inputs, malformed = read_inputs(cfg, bootstrap, say)
     say(f"reading {cfg.dead_letter_topic}")
     reported, unknown = late_reports(
         (v for _, _, v in read_records(bootstrap, cfg.dead_letter_topic)), cfg.streams
