@@ -233,11 +233,10 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         self._planned_at, self._planned_steps = now, steps
         path = self.spill_requests_path
         asked = read_spill_requests(path) if path else SpillRequests()
-        if asked.room_tuples is not None and not isinstance(limit, ReadAllAvailable):
-            rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.max_rows
-            limit = ReadMaxRows(max(1, min(rows, asked.room_tuples)))
         if owned.epoch == start["epoch"]:
-            end, next_pid = self._read_up_to(start["offsets"], limit, int(start.get("next_pid", 0)))
+            end, next_pid = self._read_up_to(
+                start["offsets"], limit, int(start.get("next_pid", 0)), room=asked.room_tuples
+            )
             carried = {k: start.get(k, {}) for k in ("tracking", "taken")}
             plan = {"epoch": owned.epoch, **carried, "offsets": end} | next_pid
             return self._with_spills(start, plan, asked.pids)
@@ -251,7 +250,9 @@ class FluxjoinStreamReader(DataSourceStreamReader):
             s: {**held[s], **{str(p): start["offsets"][s][str(p)] for p in leaving}} for s in self.streams
         }
         moves_out = any(r.move_id and not r.announce for r in change.released.values())
-        end, next_pid = self._read_up_to(begin, limit, int(start.get("next_pid", 0)), moves_out)
+        end, next_pid = self._read_up_to(
+            begin, limit, int(start.get("next_pid", 0)), moves_out, room=asked.room_tuples
+        )
         for p in leaving:  # read on in this batch: its output up to the cutoff commits with it
             change.released[p].cutoff = {s: end[s][str(p)] for s in self.streams}
         change.begins = {  # pids entering where the start offset does not say (a returning one: elsewhere)
@@ -346,11 +347,17 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         return [p for p, r in released.items() if r.export and str(p) in read]
 
     def _read_up_to(
-        self, begin: Offsets, limit: ReadLimit, first_pid: int, moves_out: bool = False
+        self,
+        begin: Offsets,
+        limit: ReadLimit,
+        first_pid: int,
+        moves_out: bool = False,
+        room: int | None = None,
     ) -> tuple[Offsets, dict[str, int]]:
         """End offsets of a batch starting at `begin`: every pid's latest offsets, or whole pids round
-        robin from `first_pid` when the backlog exceeds the read limit (then also `{"next_pid": ...}`);
-        `begin` itself for a batch that moves pids out of an instance that is behind."""
+        robin from `first_pid` when the backlog exceeds the read limit or the `room` (in tuples) the
+        state budget leaves (`SpillRequests.room_tuples`; then also `{"next_pid": ...}`); `begin`
+        itself for a batch that moves pids out of an instance that is behind."""
         pids = sorted(int(p) for p in begin[self.streams[0]])
         if not pids:
             return begin, {}
@@ -367,6 +374,8 @@ class FluxjoinStreamReader(DataSourceStreamReader):
         if isinstance(limit, ReadAllAvailable) or not backlog:
             return latest, {}  # nothing to bound (and no sample of an empty backlog to keep for 30 s)
         rows = limit.max_rows if isinstance(limit, ReadMaxRows) else self.max_rows
+        if room is not None:
+            rows = max(1, min(rows, room))
         path = self.recent_yields_path
         per_message = self._tuples_per_message(begin, latest)
         bound = BatchBound(

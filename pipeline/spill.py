@@ -199,7 +199,8 @@ def batch_room(held: Mapping[int, int], spilled: Sequence[int], budget: int, byt
     pids are out of memory, at `bytes_per_tuple` a window tuple (decision 0067). Counted as if every
     tuple stayed in a window, though older ones leave as event time moves on: the bound errs on the
     side of the budget. Zero when nothing is left; the source still reads a message a batch."""
-    left = sum(b for p, b in held.items() if p not in set(spilled))
+    leaving = set(spilled)
+    left = sum(b for p, b in held.items() if p not in leaving)
     return max(0, int((budget - left) // bytes_per_tuple))
 
 
