@@ -114,6 +114,21 @@ class FlinkJob:
     checkpoint_ms: int = CHECKPOINT_MS
     batch: int = RESULTS_PER_MESSAGE
 
+    @classmethod
+    def of(cls, cfg: Config, bootstrap: str, results: str, work: Path, bounded: bool) -> FlinkJob:
+        """The job on a 2-way pipeline's input topics, join settings and name, writing to `results`,
+        with its checkpoints under `work`."""
+        return cls(
+            bootstrap,
+            (cfg.input_topic(cfg.streams[0]), cfg.input_topic(cfg.streams[1])),
+            results,
+            cfg.window_ms,
+            cfg.allowed_lateness_ms,
+            bounded=bounded,
+            checkpoint_dir=work / "flink-checkpoints",
+            txn_prefix=f"{cfg.pipeline}-flink",
+        )
+
     def command(self, java: str, classpath: Sequence[Path]) -> list[str]:
         args = {
             "bootstrap": self.bootstrap,
@@ -215,16 +230,7 @@ def measure_flink(
     """Flink reads the pre-loaded topics up to their end offsets and finishes; the oracle judges."""
     results = f"{cfg.pipeline}.flink-results"
     create_topic(bootstrap, results, cfg.partitions)
-    job = FlinkJob(
-        bootstrap,
-        (cfg.input_topic(cfg.streams[0]), cfg.input_topic(cfg.streams[1])),
-        results,
-        cfg.window_ms,
-        cfg.allowed_lateness_ms,
-        bounded=True,
-        checkpoint_dir=work / "flink-checkpoints",
-        txn_prefix=f"{cfg.pipeline}-flink",
-    )
+    job = FlinkJob.of(cfg, bootstrap, results, work, bounded=True)
     with FlinkProcess(job, classpath, work / "flink") as flink:
         done = flink.wait_for("done", timeout_s=1800)
         first = flink.markers()["first-record"]
@@ -333,16 +339,7 @@ def run_flink_unbounded(
     from generator.producer import run_generator
 
     def run(watch: ResultWatch) -> None:
-        job = FlinkJob(
-            bootstrap,
-            (cfg.input_topic(cfg.streams[0]), cfg.input_topic(cfg.streams[1])),
-            cfg.results_topic,
-            cfg.window_ms,
-            cfg.allowed_lateness_ms,
-            bounded=False,
-            checkpoint_dir=work / "flink-checkpoints",
-            txn_prefix=f"{cfg.pipeline}-flink",
-        )
+        job = FlinkJob.of(cfg, bootstrap, cfg.results_topic, work, bounded=False)
         with FlinkProcess(job, classpath, work / "flink") as flink:
             flink.wait_for("running", timeout_s=120)
             run_generator(cfg, bootstrap)
