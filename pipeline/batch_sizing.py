@@ -106,10 +106,46 @@ def pids_within(
             continue
         if taken:  # this pid waits for the next batch
             return out, p
+        if not recent:
+            return _slices_of_new_pids(out, latest, bound, order, i)
         for s, n in _shares(backlog, max(1, int(fits))).items():
             out[s][str(p)] += n
         return out, order[(i + 1) % len(order)]
     return out, None
+
+
+def _slices_of_new_pids(
+    start: Offsets, latest: Offsets, bound: BatchBound, order: Sequence[int], first: int
+) -> tuple[Offsets, int]:
+    """A batch that begins with a pid never seen: it and the next pids never seen share the bound, each
+    an equal share of the messages and of the results, its slice judged by the worst case (`results_of`
+    with nothing known, (n/m)^m). As many share it as can each have a message of every stream: a slice
+    of some streams only makes no results, and its pid's next batch would be planned from nothing.
+
+    The worst case grows faster than the tuples: k slices of n tuples make k times one slice's worst
+    case, where one pid of k*n tuples would make k^m times it. So k new pids read together in one batch
+    what one new pid alone would read in k batches, and the next batch plans each from its own history.
+    Read one at a time, an instance's first batches were one pid each (docs/benchmarks.md).
+    """
+    streams = list(latest)
+    new = [
+        (i, p)
+        for i, p in enumerate(order)
+        if i >= first
+        and not bound.yields.get(p)
+        and any(latest[s][str(p)] > start[s][str(p)] for s in streams)
+    ]
+    m = bound.streams
+    # k slices of m messages each: k * (m * per_message / m)^m results at worst, k * m messages
+    k = int(min(len(new), bound.results / bound.per_message**m, bound.messages / m)) or 1
+    new = new[:k]
+    per_pid = min(bound.messages / k, tuples_within(bound.results / k, (), bound.streams) / bound.per_message)
+    out = {s: dict(offsets) for s, offsets in start.items()}
+    for _, p in new:
+        backlog = {s: latest[s][str(p)] - start[s][str(p)] for s in streams}
+        for s, n in _shares(backlog, max(1, min(sum(backlog.values()), int(per_pid)))).items():
+            out[s][str(p)] += n
+    return out, order[(new[-1][0] + 1) % len(order)]
 
 
 def _shares(backlog: Mapping[str, int], total: int) -> dict[str, int]:

@@ -120,8 +120,8 @@ def test_a_pid_whose_results_come_from_a_full_window_grows_by_what_its_tuples_ad
 
 
 def test_a_hot_pid_is_cut_and_batches_stay_within_their_bound_from_the_first() -> None:
-    """A stand-in for the kernel: pid 1's tuples all on one key within W (n^2 / 4 results for two
-    streams), pids 0 and 2 none. Planned from nothing known, no batch makes more than the bound, and
+    """A stand-in for the kernel: pid 1's tuples all on one key within W (every tuple of A joins every
+    tuple of B), pids 0 and 2 none. Planned from nothing known, no batch makes more than the bound, and
     every pid keeps being served."""
     latest = offsets(A={0: 10_000, 1: 10_000, 2: 10_000}, B={0: 10_000, 1: 10_000, 2: 10_000})
     start, first = START, 0
@@ -131,7 +131,8 @@ def test_a_hot_pid_is_cut_and_batches_stay_within_their_bound_from_the_first() -
         bound = BatchBound(1e9, 100_000, 1.0, 2, yields)
         end, after = pids_within(start, latest, bound, first)
         taken = {p: sum(end[s][str(p)] - start[s][str(p)] for s in end) for p in range(3)}
-        made = {p: (n // 2) ** 2 if p == 1 else 0 for p, n in taken.items()}
+        a, b = (end[s]["1"] - start[s]["1"] for s in ("A", "B"))
+        made = {0: 0, 1: a * b, 2: 0}
         assert sum(made.values()) <= 100_000, made
         for p, n in taken.items():
             if n:
@@ -140,6 +141,41 @@ def test_a_hot_pid_is_cut_and_batches_stay_within_their_bound_from_the_first() -
         start, first = end, after if after is not None else 0
     assert all(start[s][str(p)] == 10_000 for s in start for p in (0, 2)), "the cold pids were read up"
     assert all(1 in set().union(*served[i : i + 3]) for i in range(len(served) - 2)), "a slice a round"
+
+
+def test_pids_never_seen_share_one_batch_within_the_bound_of_their_worst_case() -> None:
+    """Eight new pids of 10,000 tuples each: one pid alone may take 2 * sqrt(R) tuples (all on one key,
+    (n/2)^2 results); eight together take 2 * sqrt(R / 8) each, sqrt(8) times as much in all, and the
+    sum of their worst cases stays within the bound."""
+    pids = range(8)
+    latest = offsets(A={p: 5_000 for p in pids}, B={p: 5_000 for p in pids})
+    start = offsets(A={p: 0 for p in pids}, B={p: 0 for p in pids})
+    end, after = pids_within(start, latest, BatchBound(1e9, 80_000, 1.0, 2, {}), first_pid=3)
+    taken = [sum(end[s][str(p)] for s in end) for p in pids]
+    assert taken == [200] * 8  # (200 / 2)^2 = 10,000 = 80,000 / 8
+    assert sum((n / 2) ** 2 for n in taken) <= 80_000
+    assert after == 3, "the round is over"
+
+
+def test_a_new_pids_slice_holds_a_message_of_every_stream_so_its_next_batch_is_judged_by_results() -> None:
+    """100 tuples a message: a slice of two messages (one a stream) makes at most 100 * 100 results, so
+    a bound of 30,000 lets three new pids in, each with a message of A and one of B; the fourth new pid
+    begins the next batch."""
+    pids = range(6)
+    latest = offsets(A={p: 50 for p in pids}, B={p: 50 for p in pids})
+    start = offsets(A={p: 0 for p in pids}, B={p: 0 for p in pids})
+    end, after = pids_within(start, latest, BatchBound(1e9, 30_000, 100.0, 2, {}), first_pid=0)
+    assert [(end["A"][str(p)], end["B"][str(p)]) for p in pids] == [(1, 1)] * 3 + [(0, 0)] * 3
+    assert after == 3
+
+
+def test_new_pids_wait_behind_a_batch_of_whole_pids() -> None:
+    yields = {0: [(1_000, 0)]}
+    latest = offsets(A={0: 10, 1: 500, 2: 500}, B={0: 10, 1: 500, 2: 500})
+    start = offsets(A={0: 0, 1: 0, 2: 0}, B={0: 0, 1: 0, 2: 0})
+    end, after = pids_within(start, latest, BatchBound(1e9, 10_000, 1.0, 2, yields), first_pid=0)
+    assert end == offsets(A={0: 10, 1: 0, 2: 0}, B={0: 10, 1: 0, 2: 0})
+    assert after == 1
 
 
 def test_the_recent_yields_file_reads_back_what_the_sink_wrote(tmp_path: Path) -> None:
