@@ -14,7 +14,8 @@ Two measurements in one run, on a real broker (the embedded one unless `--bootst
     instance; latency of a result = commit time - max event time of its parts, percentiles over all
     results after a warm-up, weighted by each batch's result count.
 
-Each repeat uses fresh topics; the summary holds the medians and the ratio of medians. The Maven pom of
+Each repeat runs both on fresh topics (only (b) with no tuples to pre-load); the summary holds the
+medians and the ratio of medians. The Maven pom of
 the built-in baseline's connector, `spark_kafka_pom.xml`, lies beside this module, its only user.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,7 @@ def latency_config(base: Config, pipeline: str, rate: float, seconds: float) -> 
             "generator.max_tuples": None,
             "generator.rate": {"kind": "constant", "rate": per_stream},
             "generator.keys": {"kind": "uniform", "count": max(1, int(per_stream * 10))},
+            "instance.batch_timings": True,
         },
     )
 
@@ -223,6 +225,12 @@ def measure_builtin(cfg: Config, bootstrap: str, work: Path, say: Callable[[str]
     }
 
 
+def _median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are known; None when none is."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def _ms(timestamp: str) -> float:
     from datetime import datetime
 
@@ -242,7 +250,12 @@ def _consumed(progress: list[dict[str, Any]]) -> int:
 
 
 def measure_latency(cfg: Config, bootstrap: str, work: Path, say: Callable[[str], None]) -> dict[str, Any]:
-    """One instance, the generator in real time; percentiles over results after the first 15 s."""
+    """One instance, the generator in real time; percentiles over results after the first 15 s, and
+    where the time of the batches after the first 15 s went (`pipeline.batch_timings`): the slowest 1%
+    and the median batch, per phase."""
+    from pipeline.batch_timings import breakdown, read_batch_timings, slowest_breakdown
+    from pipeline.instance import instance_dir
+
     pipeline = LocalPipeline(cfg, bootstrap, work)
     follower = MetricsFollower(pipeline.cfg, bootstrap)
     records: list[dict[str, Any]] = []
@@ -267,7 +280,25 @@ def measure_latency(cfg: Config, bootstrap: str, work: Path, say: Callable[[str]
     p50, p99 = weighted_percentiles(steady, (50, 99))
     tuples = sum(r["tuples_in"] for r in records if r.get("kind") == "batch")
     say(f"latency: p50 {p50} s, p99 {p99} s over {len(steady)} batches")
-    return {"tuples": tuples, "batches": len(steady), "latency_p50_s": p50, "latency_p99_s": p99}
+    timings = [
+        t
+        for t in read_batch_timings(instance_dir(pipeline.cfg, "instance-0") / "batch_timings.jsonl")
+        if _ms(t["timestamp"]) >= started_ms + 15_000 and t["input_rows"]
+    ]
+    slowest = slowest_breakdown(timings)
+    median = {}
+    if timings:
+        ranked = sorted(timings, key=lambda t: t["spark_ms"]["triggerExecution"])
+        median = {k: round(v, 3) for k, v in breakdown(ranked[len(ranked) // 2]).items()}
+        say("latency: slowest 1% of batches, s: " + ", ".join(f"{k} {v}" for k, v in slowest.items()))
+    return {
+        "tuples": tuples,
+        "batches": len(steady),
+        "latency_p50_s": p50,
+        "latency_p99_s": p99,
+        "slowest_batches": slowest,
+        "median_batch": median,
+    }
 
 
 def run_throughput_bench(
@@ -278,32 +309,34 @@ def run_throughput_bench(
     latency_s: float = 60,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run (a) `repeats` times and (b) once; return the summary (also written under reports/bench/)."""
+    """Run (a) and (b) `repeats` times each ((a) not at all with no `tuples`); return the summary of
+    medians (also written under reports/bench/)."""
     from generator.producer import run_generator
 
-    ours, builtin = [], []
+    ours, builtin, latency = [], [], []
     with bench_run(cfg, "throughput", say) as run:
         for i in range(repeats):
-            c = catchup_config(cfg, f"{run.run_id}-catchup-{i}", tuples)
-            say(f"[{i + 1}/{repeats}] pre-loading {tuples:,} tuples into {', '.join(c.input_topics)}")
-            run_generator(c, run.bootstrap)
-            ours.append(measure_fluxjoin(c, run.bootstrap, run.work / f"catchup-{i}", say))
-            builtin.append(measure_builtin(c, run.bootstrap, run.work / f"catchup-{i}", say))
-        lat_cfg = latency_config(cfg, f"{run.run_id}-latency", latency_rate, latency_s)
-        lat = measure_latency(lat_cfg, run.bootstrap, run.work / "latency", say)
-    ours_rate = statistics.median(r["tuples_per_s"] for r in ours)
-    builtin_rate = statistics.median(r["tuples_per_s"] for r in builtin)
+            if tuples:
+                c = catchup_config(cfg, f"{run.run_id}-catchup-{i}", tuples)
+                say(f"[{i + 1}/{repeats}] pre-loading {tuples:,} tuples into {', '.join(c.input_topics)}")
+                run_generator(c, run.bootstrap)
+                ours.append(measure_fluxjoin(c, run.bootstrap, run.work / f"catchup-{i}", say))
+                builtin.append(measure_builtin(c, run.bootstrap, run.work / f"catchup-{i}", say))
+            lat_cfg = latency_config(cfg, f"{run.run_id}-latency-{i}", latency_rate, latency_s)
+            latency.append(measure_latency(lat_cfg, run.bootstrap, run.work / f"latency-{i}", say))
+    ours_rate = _median(r["tuples_per_s"] for r in ours)
+    builtin_rate = _median(r["tuples_per_s"] for r in builtin)
     summary = {
         "tuples_per_s": ours_rate,
         "builtin_tuples_per_s": builtin_rate,
-        "ratio": round(ours_rate / builtin_rate, 2),
-        "latency_p50_s": lat["latency_p50_s"],
-        "latency_p99_s": lat["latency_p99_s"],
+        "ratio": round(ours_rate / builtin_rate, 2) if ours_rate and builtin_rate else None,
+        "latency_p50_s": _median(r["latency_p50_s"] for r in latency),
+        "latency_p99_s": _median(r["latency_p99_s"] for r in latency),
         "exact": all(r["exact"] for r in ours),
         "tuples": tuples,
         "repeats": repeats,
         "latency_rate": latency_rate,
-        "runs": {"fluxjoin": ours, "builtin": builtin, "latency": lat},
+        "runs": {"fluxjoin": ours, "builtin": builtin, "latency": latency},
     }
     save_report(run.run_id, "throughput", summary, say)
     return summary

@@ -21,7 +21,7 @@ from typing import Any
 from pipeline.codec import MalformedRecord, tuple_count
 from pipeline.config import Config
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
-from pipeline.topics import BOUNDED_READ, admin_client, partition_offsets
+from pipeline.topics import BOUNDED_READ, admin_client, consume_ready, partition_offsets
 
 TAIL_SPAN_S = 10.0
 """The span of input a rate covers: as `controller.observation.rates.RATE_SPAN_S`, enough for a cold
@@ -83,12 +83,9 @@ class InputTail:
         pending = set(todo)
         self._consumer.assign([TopicPartition(t, p, start) for (t, p), (start, _) in todo.items()])
         deadline = time.monotonic() + READ_TIMEOUT_S
-        left = sum(end - start for start, end in todo.values())
         try:
             while pending and time.monotonic() < deadline:
-                # consume returns early only with all it asks for: ask for no more than is left
-                for msg in self._consumer.consume(num_messages=max(1, min(left, 10_000)), timeout=0.5):
-                    left -= 1
+                for msg in consume_ready(self._consumer, 10_000, 0.5):
                     tp, offset = (msg.topic(), msg.partition()), msg.offset()
                     err: Any = msg.error()
                     if err is not None:

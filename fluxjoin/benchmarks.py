@@ -93,12 +93,17 @@ def _numbers(text: str, option: str, kind: Callable[[str], NumberT]) -> list[Num
 @_pipeline_bench("throughput")
 def bench_throughput(
     shared: SharedOptions,
-    tuples: Annotated[int, typer.Option(help="Tuples pre-loaded for the catch-up run.")] = 2_000_000,
-    repeats: Annotated[int, typer.Option(help="Catch-up runs of each engine (medians reported).")] = 1,
+    tuples: Annotated[
+        int, typer.Option(min=0, help="Tuples pre-loaded for the catch-up run; 0: latency only.")
+    ] = 2_000_000,
+    repeats: Annotated[
+        int, typer.Option(min=1, help="Runs of each measurement (catch-up per engine, latency; medians).")
+    ] = 1,
     latency_rate: Annotated[float, typer.Option(help="Tuples/s in total for the latency run.")] = 20_000,
     latency_seconds: Annotated[float, typer.Option(help="Seconds of input for the latency run.")] = 60,
 ) -> None:
-    """Catch-up rate of one instance vs Spark's built-in join, and result latency at 20K tuples/s."""
+    """Catch-up rate of one instance vs Spark's built-in join, and result latency at 20K tuples/s with
+    where the slowest batches' time went."""
     from bench.throughput import run_throughput_bench
 
     summary = run_throughput_bench(shared.cfg, tuples, repeats, latency_rate, latency_seconds, say=shared.say)

@@ -32,6 +32,7 @@ from pipeline.topics import (
     KAFKA_LOG,
     admin_client,
     await_settled,
+    consume_ready,
     ensure_topics,
     partition_offsets,
 )
@@ -147,7 +148,7 @@ def _largest_in(
     while pending:
         if time.monotonic() > deadline:
             raise TimeoutError(f"could not read back the input topics' ends within {timeout_s:g} s")
-        for msg in consumer.consume(num_messages=10_000, timeout=0.5):
+        for msg in consume_ready(consumer, 10_000, 0.5):
             topic, partition = msg.topic(), msg.partition()
             assert topic is not None and partition is not None
             tp = (topic, partition)

@@ -24,6 +24,7 @@ import yaml
 
 from pipeline.config import Config
 from pipeline.kafka_client import CONSUMER_GROUP, kafka_config
+from pipeline.topics import consume_ready
 
 if TYPE_CHECKING:
     from pipeline.control import ControlLog
@@ -330,7 +331,7 @@ class MetricsFollower:
         self._consumer.assign([TopicPartition(cfg.metrics_topic, p, 0) for p in meta.partitions])
 
     def poll(self) -> Iterator[dict[str, Any]]:
-        for msg in self._consumer.consume(num_messages=10_000, timeout=0.2):
+        for msg in consume_ready(self._consumer, 10_000, 0.2):
             value = msg.value()
             if msg.error() is None and value is not None:
                 yield json.loads(value)

@@ -240,6 +240,9 @@ class InstanceConfig(_Strict):
     # others, then stop (decision 0056); 0: stop at once and resume from the checkpoint on return. Only
     # the Kubernetes operator drains a stopping instance: it sets this from spec.liveness.
     drain_timeout_s: int = Field(0, ge=0)
+    # Append where each batch's time went (Spark's phases and the sink's) to batch_timings.jsonl in the
+    # instance's directory (`pipeline.batch_timings`): a diagnosis aid, a line per batch.
+    batch_timings: bool = False
 
     def state_budget(self) -> int:
         """The configured state budget in bytes (`state_budget_bytes`, or its default from the heap)."""

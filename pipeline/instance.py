@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.batch_metrics import BatchRecord
+from pipeline.batch_timings import BatchTimingsLog
 from pipeline.config import Config
 from pipeline.health import STALL_TIMEOUT_S, InstanceHealth, InstanceMetrics, Phase, serve
 from pipeline.instance_files import OwnedPids, read_assignment, write_assignment
@@ -451,6 +452,7 @@ def _run(
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     drain = Drain(name, cfg.instance.drain_timeout_s, assignment, health)
+    timings = BatchTimingsLog(home / "batch_timings.jsonl") if cfg.instance.batch_timings else None
     health.enter(Phase.RUNNING)
     log.info("%s: running (incarnation %s), checkpoint %s", name, follower.incarnation, home)
     error = None
@@ -463,6 +465,8 @@ def _run(
                 progress.observe(int(time.time() * 1000), sink.completed, query.status["isTriggerActive"])
                 follower.progress = progress.fields()
                 health.observe(progress.progress_ms, progress.batch, follower.serving)
+                if timings is not None:
+                    timings.observe(query.recentProgress, sink.phases)
                 away = sink.broker_away or follower.broker_away
                 health.broker(away)
                 time.sleep(0.5) if stopping.is_set() else stopping.wait(0.5)

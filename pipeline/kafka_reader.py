@@ -180,15 +180,15 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
 
     from pipeline.codec import Malformation, MalformedRecord, decode_tuple_columns, progress_of
     from pipeline.partitioning import pids_of
-    from pipeline.topics import broker_answers
+    from pipeline.topics import broker_answers, consume_ready
 
     ranges = list(dict.fromkeys(ranges))
     by_tp: dict[tuple[str, int], list[PidRange]] = {}
     for r in sorted((r for r in ranges if r.end > r.start), key=lambda r: r.start):
         by_tp.setdefault((r.topic, r.pid), []).append(r)
-    for (topic, pid), rs in by_tp.items():
+    for (name, pid), rs in by_tp.items():
         if any(a.end > b.start for a, b in itertools.pairwise(rs)):
-            raise ValueError(f"overlapping ranges of {topic}[{pid}]: {rs}")
+            raise ValueError(f"overlapping ranges of {name}[{pid}]: {rs}")
     next_offset = {tp: rs[0].start for tp, rs in by_tp.items()}
     last_end = {tp: rs[-1].end for tp, rs in by_tp.items()}
     cols: dict[PidRange, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {r: [] for r in ranges}
@@ -212,8 +212,7 @@ def read_ranges(bootstrap: str, ranges: Sequence[PidRange], partitions: int) -> 
                     f"offsets not readable within {_READ_TIMEOUT_S:.0f} s (not committed yet: an upstream "
                     f"transaction still open?), e.g. {', '.join(late)}"
                 )
-            remaining = sum(last_end[tp] - next_offset[tp] for tp in pending)
-            for msg in consumer.consume(num_messages=max(1, min(remaining, 10_000)), timeout=0.5):
+            for msg in consume_ready(consumer, 10_000, 0.5):
                 topic, partition, off, value = msg.topic(), msg.partition(), msg.offset(), msg.value()
                 err = msg.error()
                 if topic is None or partition is None:

@@ -49,6 +49,7 @@ from confluent_kafka import KafkaError, KafkaException
 from pipeline.batch_metrics import BatchRecord, BeforeCommit, batch_record, result_times
 from pipeline.batch_output import BatchOutput, stream_max_columns
 from pipeline.batch_plan import acquired_of, released_of, tracking_of
+from pipeline.batch_timings import SINK_PHASES
 from pipeline.commits import Evictions, last_commit, read_logged_offsets, transactional_id
 from pipeline.config import Config
 from pipeline.instance_files import SpillRequests, write_recent_yields, write_spill_requests, write_watermarks
@@ -75,6 +76,7 @@ TRANSACTION_TIMEOUT_S = 15.0
 """The broker aborts a transaction open for longer. A killed instance's open transaction holds back
 read_committed readers of every topic it wrote to (the control log among them) until then: keep it
 short. A batch's transaction spans producing its output, not computing it."""
+KEPT_PHASES = 200  # batches whose sink phases are kept for the timings log (`ExactlyOnceSink.phases`)
 FENCED_ERRORS = frozenset(
     {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError._FATAL}
 )
@@ -183,6 +185,10 @@ class ExactlyOnceSink:
         """Whether to spill at the configured threshold now, or only past the whole budget
         (`InstanceFollower.spill_at_threshold`)."""
         self._held: dict[int, int] = {}
+        self.phases: dict[int, dict[str, float]] = {}
+        """Seconds each of the newest batches spent in the sink's phases (`batch_timings.SINK_PHASES`),
+        by batch: the instance's `BatchTimingsLog` reads them."""
+        self._committing_at = 0.0
         """Each kept pid's window state in bytes, as its newest batch left it: a batch reports only the
         pids it read, and an idle pid holds its window still."""
         self._over_budget_said_at = -HOT_WARNING_EVERY_S
@@ -202,12 +208,13 @@ class ExactlyOnceSink:
         # state stores when each task's partition is consumed (a second action would recompute or need
         # a cache: measured slower).
         table: pa.Table = batch_df.toArrow()
+        collected = time.monotonic()
         offsets = read_logged_offsets(self.checkpoint, batch_id)
         columns = {name: table.column(name).to_numpy() for name in table.column_names}
         kind = columns.get("kind", np.empty(0, dtype=np.int8))
         # Before the transaction begins: the broker bounds its length, and neither needs it.
         ready = BeforeCommit(*result_times(columns, kind), lag=self._lag(offsets["offsets"]))
-
+        prepared = time.monotonic()
         try:
             metrics = self._attempts(
                 batch_id, lambda: self._write(batch_id, offsets, columns, kind, started, ready)
@@ -221,6 +228,7 @@ class ExactlyOnceSink:
                     f"batch {batch_id}: the producer failed for good ({error.str()})"
                 ) from exc
             raise
+        committed = time.monotonic()
         self.last_batch = self.completed = batch_id
         if self.on_commit is not None:
             self.on_commit(metrics)
@@ -229,6 +237,10 @@ class ExactlyOnceSink:
         self._note_spills(offsets, metrics)
         self._warn_hot(metrics)
         self._warn_over_budget(metrics)
+        marks = (started, collected, prepared, self._committing_at, committed, time.monotonic())
+        self.phases[batch_id] = {name: marks[i + 1] - marks[i] for i, name in enumerate(SINK_PHASES)}
+        for old in sorted(self.phases)[:-KEPT_PHASES]:
+            del self.phases[old]
 
     def _note_yields(self, offsets: dict[str, Any], metrics: BatchRecord) -> None:
         """Note each pid's tuples and results, for the source to bound the next batches by
@@ -414,6 +426,7 @@ class ExactlyOnceSink:
         if evicted_in is not None:
             self._retrying(self.producer.abort_transaction)
             raise Fenced(f"{self.instance} was declared dead in epoch {evicted_in}; not committing")
+        self._committing_at = time.monotonic()
         self._retrying(self.producer.commit_transaction)
         return metrics
 
