@@ -36,7 +36,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
-import pandas as pd
 
 NO_WATERMARK = np.iinfo(np.int64).min
 RESULTS_PER_CHUNK = 250_000
@@ -133,31 +132,48 @@ def join_parts(parts: list[Part], window_ms: int) -> Results:
     """All combinations of one tuple per part with equal keys and max(ts) - min(ts) <= window_ms.
 
     Parts are joined smallest first so intermediate results stay small; the output columns are
-    returned in the parts' given order.
+    returned in the parts' given order. Each step pairs equal keys by sorting and binary search
+    (`equal_key_pairs`): a pandas merge cost about a millisecond a call whatever its size, and an
+    instance makes two calls per pid per batch (docs/benchmarks.md, "Where a batch's time goes").
     """
     m = len(parts)
     if any(len(p) == 0 for p in parts):
-        return Results(np.empty((m, 0), dtype=np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+        return _no_results(m)
     order = sorted(range(m), key=lambda j: len(parts[j]))
     first = parts[order[0]]
-    acc = pd.DataFrame({"key": first.keys, "lo": first.ts, "hi": first.ts, f"id{order[0]}": first.ids})
+    keys, lo, hi = first.keys, first.ts, first.ts
+    ids = {order[0]: first.ids}
     for j in order[1:]:
         p = parts[j]
-        right = pd.DataFrame({"key": p.keys, "t": p.ts, f"id{j}": p.ids})
-        acc = acc.merge(right, on="key", how="inner", sort=False, copy=False)
-        if acc.empty:
-            break
-        lo = np.minimum(acc["lo"].to_numpy(), acc["t"].to_numpy())
-        hi = np.maximum(acc["hi"].to_numpy(), acc["t"].to_numpy())
-        keep = (hi - lo) <= window_ms
-        acc = pd.DataFrame(
-            {"key": acc["key"].to_numpy()[keep], "lo": lo[keep], "hi": hi[keep]}
-            | {c: acc[c].to_numpy()[keep] for c in acc.columns if c.startswith("id")}
-        )
-    if acc.empty:
-        return Results(np.empty((m, 0), dtype=np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
-    ids = np.vstack([acc[f"id{j}"].to_numpy(dtype=np.int64) for j in range(m)])
-    return Results(ids, acc["key"].to_numpy(dtype=np.int64), acc["hi"].to_numpy(dtype=np.int64))
+        left, right = equal_key_pairs(keys, p.keys)
+        t = p.ts[right]
+        pair_lo, pair_hi = np.minimum(lo[left], t), np.maximum(hi[left], t)
+        keep = (pair_hi - pair_lo) <= window_ms
+        left, right = left[keep], right[keep]
+        if not len(left):
+            return _no_results(m)
+        keys, lo, hi = keys[left], pair_lo[keep], pair_hi[keep]
+        ids = {k: v[left] for k, v in ids.items()} | {j: p.ids[right]}
+    return Results(
+        np.vstack([ids[j] for j in range(m)]).astype(np.int64), keys.astype(np.int64), hi.astype(np.int64)
+    )
+
+
+def equal_key_pairs(left: I64, right: I64) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """Indices (i, k) of every pair with left[i] == right[k], grouped by i in left's order."""
+    order = np.argsort(right, kind="stable")
+    ordered = right[order]
+    start = np.searchsorted(ordered, left, side="left")
+    counts = np.searchsorted(ordered, left, side="right") - start
+    total = int(counts.sum())
+    i = np.repeat(np.arange(len(left)), counts)
+    # the k-th pair of left[i] is ordered[start[i] + k]
+    within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    return i, order[np.repeat(start, counts) + within]
+
+
+def _no_results(m: int) -> Results:
+    return Results(np.empty((m, 0), dtype=np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
 
 
 def merge_size(parts: list[Part]) -> int:

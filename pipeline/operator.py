@@ -126,7 +126,7 @@ def output_schema(streams: int) -> str:
     return f"kind byte, pid int, key long, ts long, aux long, {ids}, payload binary"
 
 
-def _frame(
+def _rows(
     kind: int,
     pid: int,
     key: Any,
@@ -135,7 +135,8 @@ def _frame(
     ids: list[Any],
     n: int,
     payload: list[bytes] | None = None,
-) -> pd.DataFrame:
+) -> dict[str, Any]:
+    """`n` output rows of one kind, as columns (`_data_frame` makes them a frame)."""
     cols: dict[str, Any] = {
         "kind": np.full(n, kind, dtype=np.int8),
         "pid": np.full(n, pid, dtype=np.int32),
@@ -146,7 +147,20 @@ def _frame(
     for j, col in enumerate(ids):
         cols[f"id{j}"] = np.broadcast_to(np.asarray(col, dtype=np.int64), (n,))
     cols["payload"] = payload if payload is not None else [None] * n
-    return pd.DataFrame(cols)
+    return cols
+
+
+def _data_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """One frame of several `_rows`: a pid's rows other than its results leave the worker together,
+    as a frame costs a tenth of a millisecond to make whatever its size and a batch makes a few per pid
+    (docs/benchmarks.md, "Where a batch's time goes")."""
+    if len(rows) == 1:
+        return pd.DataFrame(rows[0])
+    columns: dict[str, Any] = {
+        c: np.concatenate([np.asarray(r[c]) for r in rows]) for c in rows[0] if c != "payload"
+    }
+    columns["payload"] = [p for r in rows for p in r["payload"]]
+    return pd.DataFrame(columns)
 
 
 def _result_frame(pid: int, results: Results, streams: int) -> pd.DataFrame:
@@ -155,7 +169,7 @@ def _result_frame(pid: int, results: Results, streams: int) -> pd.DataFrame:
     chunks = [(a, min(a + RESULTS_PER_MESSAGE, n)) for a in range(0, n, RESULTS_PER_MESSAGE)]
     payload = [encode_results(results.ids[:, a:b], results.keys[a:b], results.max_ts[a:b]) for a, b in chunks]
     counts = [b - a for a, b in chunks]
-    return _frame(KIND_RESULT, pid, counts, 0, 0, [0] * streams, len(chunks), payload)
+    return pd.DataFrame(_rows(KIND_RESULT, pid, counts, 0, 0, [0] * streams, len(chunks), payload))
 
 
 def make_join_function(
@@ -165,6 +179,7 @@ def make_join_function(
 
     def join_pid(key: tuple[Any, ...], batches: Iterator[pd.DataFrame], state: Any) -> Iterator[pd.DataFrame]:
         pid = int(key[0])
+        small: list[dict[str, Any]] = []  # every row but the results, out in one frame at the end
         frames = list(batches)
         rows = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
         window = window_from_bytes(state.get[0]) if state.exists else WindowState.empty(streams)
@@ -203,7 +218,7 @@ def make_join_function(
                     cleaned += len(chunk)
                     yield _result_frame(pid, chunk, streams)
                 window = replace(old_side.state, old=None)  # the generations up to g, as one window
-            yield _frame(KIND_CLEANED, pid, int(cross.sum()), 0, cleaned, [0] * streams, 1)
+            small.append(_rows(KIND_CLEANED, pid, int(cross.sum()), 0, cleaned, [0] * streams, 1))
 
         zeros = [0] * (streams - 1)
         track = stream_col == TRACK_ROW
@@ -214,7 +229,7 @@ def make_join_function(
             window = begin_new_track(sender_max)
         if TRACK_OLD in roles:
             window = begin_old_track(window)
-            yield _frame(KIND_RELEASED, pid, 0, 0, 0, list(window.stream_max), 1)
+            small.append(_rows(KIND_RELEASED, pid, 0, 0, 0, list(window.stream_max), 1))
         receiving = window.old_max is not None
         if ((stream_col >= SILENT_ROW) & (stream_col < CROSS_ROW)).any():  # as the dead instance did
             window = join_step(window, rows_of(SILENT_ROW), window_ms, allowed_lateness_ms).state
@@ -226,9 +241,9 @@ def make_join_function(
             and out.state.old_tuples == 0
             and (TRACK_OLD in roles or window.old_tuples)
         ):
-            yield _frame(KIND_TRACK_DONE, pid, 0, 0, TRACK_OLD, [0, *zeros], 1)
+            small.append(_rows(KIND_TRACK_DONE, pid, 0, 0, TRACK_OLD, [0, *zeros], 1))
         if receiving and out.state.old_max is None:
-            yield _frame(KIND_TRACK_DONE, pid, 0, 0, TRACK_NEW, [0, *zeros], 1)
+            small.append(_rows(KIND_TRACK_DONE, pid, 0, 0, TRACK_NEW, [0, *zeros], 1))
         released = stream_col == RELEASE_ROW
         produced = 0
         hot = HotKey()
@@ -238,32 +253,37 @@ def make_join_function(
             yield _result_frame(pid, chunk, streams)
         for j, late in enumerate(out.late):
             if len(late):
-                yield _frame(KIND_LATE, pid, late.keys, late.ts, j, [late.ids, *zeros], len(late))
+                small.append(_rows(KIND_LATE, pid, late.keys, late.ts, j, [late.ids, *zeros], len(late)))
         bad = stream_col == MALFORMED_STREAM
         if bad.any():
-            yield _frame(KIND_MALFORMED, pid, keys[bad], ts[bad], 0, [ids[bad], *zeros], int(bad.sum()))
+            small.append(
+                _rows(KIND_MALFORMED, pid, keys[bad], ts[bad], 0, [ids[bad], *zeros], int(bad.sum()))
+            )
 
         if released.any():
             exported = 0
             if keys[released].any():  # export for a transfer
                 for j, part in enumerate(out.state.parts):
                     if len(part):
-                        yield _frame(KIND_STATE, pid, part.keys, part.ts, j, [part.ids, *zeros], len(part))
+                        small.append(
+                            _rows(KIND_STATE, pid, part.keys, part.ts, j, [part.ids, *zeros], len(part))
+                        )
                         exported += len(part)
-            yield _frame(KIND_RELEASED, pid, exported, 0, 0, list(out.state.stream_max), 1)
+            small.append(_rows(KIND_RELEASED, pid, exported, 0, 0, list(out.state.stream_max), 1))
             state.remove()
             blob, final = b"", WindowState.empty(streams)
         else:
             blob, final = window_to_bytes(out.state), out.state
             state.update((blob,))
-            yield _frame(KIND_WATERMARK, pid, 0, 0, 0, list(final.stream_max), 1)
+            small.append(_rows(KIND_WATERMARK, pid, 0, 0, 0, list(final.stream_max), 1))
         accepted = int(sum((p.ids != PROGRESS_ID).sum() for p in new))
         # The newest event time read: successive batches' values bound the event time their tuples
         # arrived over, so the controller can tell a pid's arrival rate from a backlog's size.
         newest = max((int(p.ts.max()) for p in new if len(p)), default=0)
         extra = [0] * (streams - 2)
-        stats = _frame(KIND_STATS, pid, final.tuples, newest, len(blob), [accepted, produced, *extra], 1)
+        stats = _rows(KIND_STATS, pid, final.tuples, newest, len(blob), [accepted, produced, *extra], 1)
         stats["payload"] = [hot.encode()]
-        yield stats
+        small.append(stats)
+        yield _data_frame(small)
 
     return join_pid
