@@ -269,6 +269,7 @@ def measure_latency(cfg: Config, bootstrap: str, work: Path, say: Callable[[str]
         wait_drained(pipeline, timeout_s=300)
         time.sleep(1.0)
         records.extend(drain(follower))
+        generated = pipeline.generator_summary() or {}
     finally:
         follower.close()
         pipeline.stop()
@@ -291,6 +292,9 @@ def measure_latency(cfg: Config, bootstrap: str, work: Path, say: Callable[[str]
         ranked = sorted(timings, key=lambda t: t["spark_ms"]["triggerExecution"])
         median = {k: round(v, 3) for k, v in breakdown(ranked[len(ranked) // 2]).items()}
         say("latency: slowest 1% of batches, s: " + ", ".join(f"{k} {v}" for k, v in slowest.items()))
+    delay = generated.get("commit_delay_s")
+    if delay:
+        say(f"latency: input readable after its tick: p50 {delay['p50']} s, p99 {delay['p99']} s")
     return {
         "tuples": tuples,
         "batches": len(steady),
@@ -298,6 +302,7 @@ def measure_latency(cfg: Config, bootstrap: str, work: Path, say: Callable[[str]
         "latency_p99_s": p99,
         "slowest_batches": slowest,
         "median_batch": median,
+        "input_commit_delay_s": generated.get("commit_delay_s"),
     }
 
 

@@ -361,10 +361,13 @@ def run_generator(
     """Create the topics, then produce the configured streams until duration, max_tuples or `stop`.
 
     Returns {"tuples", "per_stream", "messages", "bytes", "seconds", "tuples_per_s", "start_ms",
-    "progress_records", "late_injected", "id_base"}: `tuples` and `per_stream` count every tuple
-    written (injected late ones included), `messages` progress records too, `id_base` is the first id
-    of each stream's run. Raises DeliveryError when `stop` ends a wait for the broker or another
-    generator took over, BrokerUnreachable / TopicError from topic creation.
+    "progress_records", "late_injected", "id_base", "commit_delay_s"}: `tuples` and `per_stream` count
+    every tuple written (injected late ones included), `messages` progress records too, `id_base` is the
+    first id of each stream's run, `commit_delay_s` (real time only) how long after its tick's end each
+    tick's transaction was committed (p50, p99, max): input readable that late counts in every result
+    latency measured from event time, whichever engine reads it. Raises DeliveryError when `stop` ends
+    a wait for the broker or another generator took over, BrokerUnreachable / TopicError from topic
+    creation.
 
     The messages of each real-time tick, or max-rate chunk, are written in one transaction: readers of
     the inputs read committed, so a tuple is read once however often the broker made the generator
@@ -390,6 +393,7 @@ def run_generator(
     planner = MessagePlanner(cfg, start_ms)
     held = HeldBack({i: g.stream_lag_ms.get(s, 0) / 1000.0 for i, s in enumerate(cfg.streams)})
     tuples = 0
+    commit_delays: list[float] = []  # real time: how long after its tick's end each tick was readable
 
     def send(records: list[Record]) -> None:
         nonlocal tuples
@@ -415,6 +419,7 @@ def run_generator(
                     emit(source.take(now_s))
                 send(held.release(now_s))
                 sender.commit()  # what arrived in the tick becomes readable at its end
+                commit_delays.append(time.monotonic() - started - next_tick)
         else:
             # Virtual clock: all streams advance together chunk by chunk, as fast as the producer goes.
             while not source.done and not stop.is_set():
@@ -445,4 +450,14 @@ def run_generator(
         "progress_records": planner.progress_records,
         "late_injected": planner.late_written,
         "id_base": dict(zip(cfg.streams, id_base, strict=True)),
+        "commit_delay_s": _percentiles(commit_delays),
     }
+
+
+def _percentiles(values: list[float]) -> dict[str, float] | None:
+    """p50, p99 and max of `values`, in seconds rounded to milliseconds; None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"p50": round(at(0.5), 3), "p99": round(at(0.99), 3), "max": round(ordered[-1], 3)}

@@ -115,6 +115,15 @@ class LocalPipeline:
     def start_generator(self) -> None:
         self._spawn("generator", ["generate"])
 
+    def generator_summary(self) -> dict[str, Any] | None:
+        """What the generator process printed last (`run_generator`'s summary), once it has ended."""
+        lines = (self.work / "generator.log").read_text(errors="replace").splitlines()
+        try:
+            summary = json.loads(lines[-1]) if lines else None
+        except json.JSONDecodeError:
+            return None
+        return summary if isinstance(summary, dict) else None
+
     def end_input(self, timeout_s: float = 120) -> None:
         """Stop the generator early and cleanly (SIGTERM: it flushes what it produced, then exits 0)."""
         proc = self.procs["generator"]
