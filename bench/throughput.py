@@ -303,6 +303,19 @@ def measure_latency(cfg: Config, bootstrap: str, work: Path, say: Callable[[str]
         "slowest_batches": slowest,
         "median_batch": median,
         "input_commit_delay_s": generated.get("commit_delay_s"),
+        # Per batch: seconds since the input began, tuples read, input messages left beyond it at its
+        # commit, and its p50 latency: a stretch of high latency with nothing left to read is input
+        # that became readable late; with a backlog left, the instance fell behind.
+        "batches_series": [
+            [
+                round((r["time_ms"] - started_ms) / 1000, 2),
+                r["tuples_in"],
+                sum(r["lag"].values()),
+                r["latency_p50_s"],
+            ]
+            for r in records
+            if r.get("kind") == "batch"
+        ],
     }
 
 

@@ -18,7 +18,7 @@ from typing import Any, Literal, TypedDict
 import numpy as np
 
 from pipeline.codec import decode_results
-from pipeline.operator import KIND_CLEANED, KIND_RESULT, KIND_STATS, HotKey
+from pipeline.operator import KIND_CLEANED, KIND_RESULT, KIND_STATS, decode_stats_payload
 from pipeline.spill import cleanups_of, deferred, spilled_of
 
 PidFigures = TypedDict(
@@ -26,6 +26,7 @@ PidFigures = TypedDict(
     {
         "in": int,  # input tuples the batch read of the pid
         "results": int,
+        "within": int,  # combinations of the batch's own tuples of the pid that share a key
         "state_bytes": int,  # the pid's window after the batch
         "window_tuples": int,
         "newest_ms": int,  # the newest event time read
@@ -155,9 +156,10 @@ def batch_record(
             "window_tuples": int(w),
             "newest_ms": int(t),
             "latency_sample": _sample(by_pid.get(int(p), np.empty(0)), 20),
-            "hot_key": HotKey.decode(hot),
+            "within": decode_stats_payload(payload)[0],
+            "hot_key": decode_stats_payload(payload)[1],
         }
-        for p, n, r, b, w, t, hot in zip(
+        for p, n, r, b, w, t, payload in zip(
             columns["pid"][stats],
             columns["id0"][stats],
             columns["id1"][stats],

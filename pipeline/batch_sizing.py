@@ -20,28 +20,40 @@ that starts from an empty window makes up to three times as many results per tup
 holds as many tuples as the batch (twice from the window, once from each other); measured: 3.1x."""
 
 
-def results_of(tuples: float, recent: Sequence[tuple[int, int]], streams: int) -> float:
+Yield = tuple[int, int, int]
+"""A batch of one pid as the sink noted it: tuples read, results made, and the combinations of its own
+tuples that share a key (`join.key_combinations`: the most results it could make within itself)."""
+
+
+def results_of(tuples: float, recent: Sequence[Yield], streams: int) -> float:
     """About the most results `tuples` new tuples of one pid make, judged by its recent batches
-    (decision 0055). A pid never seen: the worst case, every tuple on one key within W, (n/m)^m."""
+    (decisions 0055, 0070). A pid never seen: the worst case, every tuple on one key within W, (n/m)^m."""
     if not recent:
         return float((tuples / streams) ** streams)
-    return max((_judged_by(tuples, t, r, streams) for t, r in recent if t), default=0.0)
+    return max((_judged_by(tuples, t, r, w, streams) for t, r, w in recent if t), default=0.0)
 
 
-def _judged_by(n: float, t: int, r: int, streams: int) -> float:
-    """The results of n tuples, judged by a batch of t tuples that made r: (r+1)/t per tuple (+1: a
-    batch without results does not make the next one free) up to t tuples. Beyond t, a batch's tuples
-    also join each other, so the lesser of two bounds that each hold: results per tuple growing as
-    (n/t)^(m-1), as they do while the batch spans less than W (right where results came from within
-    the batch), or the same per tuple plus the worst the batch can make within itself, (n/m)^m (right
-    where they came from the window: a hot key's full window)."""
-    per_tuple = (r + 1) / t
+def _judged_by(n: float, t: int, r: int, w: int, streams: int) -> float:
+    """The results of n tuples, judged by a batch of t tuples that made r, w of whose combinations
+    share a key. Up to t tuples, (r+1)/t per tuple (+1: a batch without results does not make the next
+    one free). Beyond t, two parts (decision 0070):
+
+    - with the window: (r + (m-1)w + 1)/t per tuple, growing with n only linearly. The window the
+      next batch meets also holds the last batch's tuples: their combinations within it, w, become
+      partners of the next batch's tuples, m-1 for each (an upper bound: w counts keys, not W).
+    - within the batch: (w+1)(n/t)^m, the batch's own key combinations grown as a sample's grow with
+      its size (exact for a hot key's tuples, all on one key).
+
+    Judging every result as if made within the batch (the growth bound of decision 0055) kept an
+    instance that fell behind from catching up: a backlog many times its last batch looked like a hot
+    key's, so a batch took one pid or two while a second's worth of input arrived for all 64.
+    """
     if n <= t:
-        return per_tuple * n
-    return min(per_tuple * n * (n / t) ** (streams - 1), per_tuple * n + (n / streams) ** streams)
+        return (r + 1) / t * n
+    return (r + (streams - 1) * w + 1) / t * n + (w + 1) * (n / t) ** streams
 
 
-def tuples_within(results: float, recent: Sequence[tuple[int, int]], streams: int) -> float:
+def tuples_within(results: float, recent: Sequence[Yield], streams: int) -> float:
     """The most new tuples of one pid whose `results_of` stays within `results` (found by bisection:
     `results_of` grows with the tuples)."""
     if results <= 0:
@@ -64,7 +76,7 @@ class BatchBound:
     results: float
     per_message: float
     streams: int
-    yields: Mapping[int, Sequence[tuple[int, int]]]
+    yields: Mapping[int, Sequence[Yield]]
 
 
 def pids_within(

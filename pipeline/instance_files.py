@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.batch_sizing import Yield
 from pipeline.protocol import AssignmentMsg, Handoff, MoveSpec
 from pipeline.protocol_codec import handoff_from_json, handoff_to_json, move_from_json, move_to_json
 
@@ -131,12 +132,13 @@ def read_watermarks(path: Path) -> dict[str, Any]:
     return dict(_read_json(path) or {})
 
 
-Yields = dict[int, list[tuple[int, int]]]
-"""Per pid, recent batches' (tuples in, results out), newest last."""
+Yields = dict[int, list[Yield]]
+"""Per pid, recent batches' (tuples in, results out, key combinations within), newest last."""
 
 
-def write_recent_yields(path: Path, yields: Mapping[int, Sequence[tuple[int, int]]]) -> None:
-    """The file of each pid's recent batches' tuples and results (the sink notes them)."""
+def write_recent_yields(path: Path, yields: Mapping[int, Sequence[Yield]]) -> None:
+    """The file of each pid's recent batches' tuples, results and key combinations within (the sink
+    notes them)."""
     _replace_json(path, {str(p): [list(r) for r in recent] for p, recent in yields.items()})
 
 
@@ -145,7 +147,8 @@ def read_recent_yields(path: Path) -> Yields:
     noted = _read_json(path)
     if not isinstance(noted, dict):
         return {}
-    return {int(p): [(int(t), int(r)) for t, r in recent] for p, recent in noted.items()}
+    # A file of an earlier version holds (tuples, results): every result counts as made within.
+    return {int(p): [(int(y[0]), int(y[1]), int(y[-1])) for y in recent] for p, recent in noted.items()}
 
 
 @dataclass(frozen=True, slots=True)

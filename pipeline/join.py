@@ -176,6 +176,20 @@ def _no_results(m: int) -> Results:
     return Results(np.empty((m, 0), dtype=np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
 
 
+def key_combinations(parts: list[Part]) -> int:
+    """How many combinations of one tuple per part share a key: the results these tuples could make
+    among themselves if every pair lay within W (an upper bound, counted from the keys alone)."""
+    if any(len(p) == 0 for p in parts):
+        return 0
+    keys, combos = np.unique(parts[0].keys, return_counts=True)
+    combos = combos.astype(np.float64)
+    for p in parts[1:]:
+        other, counts = np.unique(p.keys, return_counts=True)
+        keys, mine, theirs = np.intersect1d(keys, other, assume_unique=True, return_indices=True)
+        combos = combos[mine] * counts[theirs]
+    return int(min(float(combos.sum()), np.iinfo(np.int64).max))
+
+
 def merge_size(parts: list[Part]) -> int:
     """The most rows `join_parts` holds at once for these parts: the largest of its merges' outputs
     before the window filter, counted from the keys alone (an upper bound of the results)."""

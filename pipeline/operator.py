@@ -20,7 +20,9 @@ watermark  7      0                0                  0                stream_ma
 cleaned    8      tuples re-read   0                  results made     0                     0
 =========  =====  ===============  =================  ===============  ====================  ==========
 
-A `stats` row's `payload` names the pid's hottest key of the batch: the key with the most results and
+A `stats` row's `payload` (`encode_stats_payload`) counts the combinations of the batch's own tuples
+that share a key (how many results the batch could make within itself, for the source to plan the
+pid's next batches by) and names the pid's hottest key of the batch: the key with the most results and
 their number (`HotKey`), for the sink to warn about a hot key by name.
 
 A `result` row carries up to RESULTS_PER_MESSAGE of a pid's results in its `payload` column, already
@@ -60,6 +62,7 @@ from pipeline.join import (
     begin_old_track,
     install,
     join_step,
+    key_combinations,
     window_from_bytes,
     window_to_bytes,
 )
@@ -106,19 +109,24 @@ class HotKey:
         for k, c in zip(found.tolist(), n.tolist(), strict=True):
             self.counts[k] = self.counts.get(k, 0) + c
 
-    def encode(self) -> bytes | None:
-        """(key, results) as two little-endian int64, or None for a batch without results."""
+    def hottest(self) -> tuple[int, int] | None:
+        """(key, results) of the key with the most results; None for a batch without results."""
         if not self.counts:
             return None
         key = max(self.counts, key=self.counts.__getitem__)
-        return np.array([key, self.counts[key]], dtype="<i8").tobytes()
+        return key, self.counts[key]
 
-    @staticmethod
-    def decode(payload: bytes | None) -> tuple[int, int] | None:
-        if not payload:
-            return None
-        key, results = np.frombuffer(payload, dtype="<i8", count=2).tolist()
-        return int(key), int(results)
+
+def encode_stats_payload(within: int, hot: tuple[int, int] | None) -> bytes:
+    """A `stats` row's payload: little-endian int64s, the batch's own key combinations (`within`,
+    `join.key_combinations` of its new tuples), then the hot key and its results when it has one."""
+    return np.array([within, *(hot or ())], dtype="<i8").tobytes()
+
+
+def decode_stats_payload(payload: bytes) -> tuple[int, tuple[int, int] | None]:
+    """(within, hot key) from `encode_stats_payload`'s bytes."""
+    values = np.frombuffer(payload, dtype="<i8").tolist()
+    return int(values[0]), (int(values[1]), int(values[2])) if len(values) == 3 else None
 
 
 def output_schema(streams: int) -> str:
@@ -282,7 +290,7 @@ def make_join_function(
         newest = max((int(p.ts.max()) for p in new if len(p)), default=0)
         extra = [0] * (streams - 2)
         stats = _rows(KIND_STATS, pid, final.tuples, newest, len(blob), [accepted, produced, *extra], 1)
-        stats["payload"] = [hot.encode()]
+        stats["payload"] = [encode_stats_payload(key_combinations(new), hot.hottest())]
         small.append(stats)
         yield _data_frame(small)
 

@@ -49,6 +49,7 @@ from confluent_kafka import KafkaError, KafkaException
 from pipeline.batch_metrics import BatchRecord, BeforeCommit, batch_record, result_times
 from pipeline.batch_output import BatchOutput, stream_max_columns
 from pipeline.batch_plan import acquired_of, released_of, tracking_of
+from pipeline.batch_sizing import Yield
 from pipeline.batch_timings import SINK_PHASES
 from pipeline.commits import Evictions, last_commit, read_logged_offsets, transactional_id
 from pipeline.config import Config
@@ -146,7 +147,7 @@ class ExactlyOnceSink:
         """Where the previous batch's input ended, per (stream, pid): what a batch read, in messages."""
         # Kept across restarts: it describes the workload, not this incarnation's state.
         self.recent_yields_path = recent_yields
-        self._recent_yields: dict[int, deque[tuple[int, int]]] = {}
+        self._recent_yields: dict[int, deque[Yield]] = {}
         self.spill_requests_path = spill_requests
         if spill_requests is not None:  # asked by a previous incarnation, of windows it may not hold
             spill_requests.unlink(missing_ok=True)
@@ -249,7 +250,7 @@ class ExactlyOnceSink:
         fed = {int(p): s for p, s in metrics["pids"].items() if s["in"]}
         for p, stats in fed.items():
             recent = self._recent_yields.setdefault(p, deque(maxlen=RECENT_BATCHES))
-            recent.append((int(stats["in"]), int(stats["results"])))
+            recent.append((int(stats["in"]), int(stats["results"]), int(stats["within"])))
         self._recent_yields = {p: r for p, r in self._recent_yields.items() if str(p) in kept}
         if fed:
             write_recent_yields(self.recent_yields_path, self._recent_yields)
@@ -269,7 +270,7 @@ class ExactlyOnceSink:
         spilled = spilled_of(offsets)
         busy = {*tracking_of(offsets), *released_of(offsets), *acquired_of(offsets)}
         busy |= {p for p, spill in spilled.items() if len(spill.cutoffs) >= MAX_SPILLS}
-        recent = {p: sum(r for _, r in batches) for p, batches in self._recent_yields.items()}
+        recent = {p: sum(r for _, r, _ in batches) for p, batches in self._recent_yields.items()}
         per_tuple = _bytes_per_window_tuple(metrics)
         budget = metrics["state_budget_bytes"]
         read = self._read_since_last(offsets["offsets"])

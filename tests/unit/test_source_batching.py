@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.batch_sizing import ArrivalMeter, BatchBound, pids_within, results_of, tuples_within
+from pipeline.batch_sizing import ArrivalMeter, BatchBound, Yield, pids_within, results_of, tuples_within
 from pipeline.instance_files import read_recent_yields, write_recent_yields
 
 
@@ -15,12 +15,10 @@ def offsets(**by_stream: dict[int, int]) -> dict[str, dict[str, int]]:
 
 START = offsets(A={0: 0, 1: 0, 2: 0}, B={0: 0, 1: 0, 2: 0})
 LATEST = offsets(A={0: 10, 1: 2, 2: 30}, B={0: 1, 1: 20, 2: 30})
-SEEN = {p: [(1_000, 0)] for p in range(3)}  # results bound nothing here
+SEEN = {p: [(1_000, 0, 0)] for p in range(3)}  # results bound nothing here
 
 
-def messages(
-    cap: float, yields: dict[int, list[tuple[int, int]]] | None = None, results: float = 1e9
-) -> BatchBound:
+def messages(cap: float, yields: dict[int, list[Yield]] | None = None, results: float = 1e9) -> BatchBound:
     return BatchBound(cap, results, 1.0, 2, SEEN if yields is None else yields)
 
 
@@ -97,25 +95,46 @@ def test_a_pid_never_seen_is_bounded_by_all_its_tuples_on_one_key() -> None:
 
 
 def test_a_pid_takes_fewer_tuples_where_each_makes_many_results() -> None:
-    assert round(tuples_within(4_000_000, [(400_000, 3_999_999)], streams=2)) == 400_000  # 10 a tuple
-    assert round(tuples_within(4_000_000, [(200_000, 7_999_999)], streams=2)) == 100_000  # 40 a tuple
-    assert tuples_within(0, [(200_000, 0)], streams=2) == 0
+    assert round(tuples_within(4_000_000, [(400_000, 3_999_999, 0)], streams=2)) == 400_000  # 10 a tuple
+    assert round(tuples_within(4_000_000, [(200_000, 7_999_999, 0)], streams=2)) == 100_000  # 40 a tuple
+    assert tuples_within(0, [(200_000, 0, 0)], streams=2) == 0
 
 
-def test_a_pid_grows_from_a_smaller_batch_as_if_its_tuples_all_joined_each_other() -> None:
-    """1,000 tuples made 10 results each: 4 million allows 400,000 at that rate, but if results per
-    tuple grow with the batch (a hot key's tuples join each other), n^2 / 1,000 * 10 <= 4 million."""
-    assert round(tuples_within(4_000_000, [(1_000, 9_999)], streams=2)) == 20_000
-    assert round(results_of(20_000, [(1_000, 9_999)], streams=2)) == 4_000_000
+def test_a_pid_grows_from_a_smaller_batch_as_its_results_within_it_grow() -> None:
+    """1,000 tuples made 10 results each, all among themselves (a hot key's): twice the tuples make
+    four times those, so 4 million allows about 19,000, not the 400,000 the rate alone would."""
+    within = [(1_000, 9_999, 9_999)]
+    assert 18_000 < tuples_within(4_000_000, within, streams=2) < 20_000
     # every recent batch bounds it: the smallest bound wins
-    assert round(tuples_within(4_000_000, [(20_000, 199_999), (1_000, 9_999)], streams=2)) == 20_000
+    assert tuples_within(4_000_000, [(20_000, 199_999, 0), *within], streams=2) < 20_000
+
+
+def test_a_pid_whose_results_come_from_its_window_grows_with_its_tuples() -> None:
+    """The same 10 results a tuple, none among the batch's own tuples (uniform keys, a full window):
+    the results grow with the tuples, and 4 million allows close to 400,000."""
+    assert 380_000 < tuples_within(4_000_000, [(1_000, 9_999, 0)], streams=2) < 400_000
+
+
+def test_an_instance_behind_its_input_reads_every_pid_in_one_batch() -> None:
+    """64 pids each read 70 tuples a batch making one result each from the window; then the instance
+    fell behind by 6,000 tuples a pid. Within 1.33 million results the next batch takes every pid
+    whole (about 870,000 results planned). Judged as if every result had come from within the batch,
+    it took two pids, and the instance fell further behind."""
+    pids = range(64)
+    yields: dict[int, list[Yield]] = {p: [(70, 70, 0)] for p in pids}
+    latest = offsets(A={p: 3_000 for p in pids}, B={p: 3_000 for p in pids})
+    start = offsets(A={p: 0 for p in pids}, B={p: 0 for p in pids})
+    end, after = pids_within(start, latest, BatchBound(1e9, 4_000_000 / 3, 1.0, 2, yields), first_pid=0)
+    assert end == latest
+    assert after is None
 
 
 def test_a_pid_whose_results_come_from_a_full_window_grows_by_what_its_tuples_add_themselves() -> None:
-    """64 tuples made 800 results each (a hot key's full window): 200 tuples make at most 800 each
-    and (200 / 2)^2 among themselves, less than the (200 / 64) growth per tuple would say."""
-    recent = [(64, 51_199)]
-    assert round(results_of(200, recent, streams=2)) == 800 * 200 + 100**2
+    """64 tuples of a hot key made 800 results each against its full window, and 32 * 32 among
+    themselves: 200 tuples make about 800 each with the window (a little more: the last batch's
+    tuples are in it now) and (200 / 64)^2 times the 1,024 among themselves."""
+    recent = [(64, 51_199, 1_024)]
+    assert 170_000 < results_of(200, recent, streams=2) < 175_000
     assert 190 < tuples_within(167_000, recent, streams=2) < 200
 
 
@@ -125,18 +144,18 @@ def test_a_hot_pid_is_cut_and_batches_stay_within_their_bound_from_the_first() -
     every pid keeps being served."""
     latest = offsets(A={0: 10_000, 1: 10_000, 2: 10_000}, B={0: 10_000, 1: 10_000, 2: 10_000})
     start, first = START, 0
-    yields: dict[int, list[tuple[int, int]]] = {}
+    yields: dict[int, list[Yield]] = {}
     served: list[set[int]] = []
     for _ in range(12):
         bound = BatchBound(1e9, 100_000, 1.0, 2, yields)
         end, after = pids_within(start, latest, bound, first)
         taken = {p: sum(end[s][str(p)] - start[s][str(p)] for s in end) for p in range(3)}
         a, b = (end[s]["1"] - start[s]["1"] for s in ("A", "B"))
-        made = {0: 0, 1: a * b, 2: 0}
+        made = {0: 0, 1: a * b, 2: 0}  # all within the batch: a * b combinations share the key
         assert sum(made.values()) <= 100_000, made
         for p, n in taken.items():
             if n:
-                yields[p] = [*yields.get(p, []), (n, made[p])][-8:]
+                yields[p] = [*yields.get(p, []), (n, made[p], made[p])][-8:]
         served.append({p for p, n in taken.items() if n})
         start, first = end, after if after is not None else 0
     assert all(start[s][str(p)] == 10_000 for s in start for p in (0, 2)), "the cold pids were read up"
@@ -170,7 +189,7 @@ def test_a_new_pids_slice_holds_a_message_of_every_stream_so_its_next_batch_is_j
 
 
 def test_new_pids_wait_behind_a_batch_of_whole_pids() -> None:
-    yields = {0: [(1_000, 0)]}
+    yields: dict[int, list[Yield]] = {0: [(1_000, 0, 0)]}
     latest = offsets(A={0: 10, 1: 500, 2: 500}, B={0: 10, 1: 500, 2: 500})
     start = offsets(A={0: 0, 1: 0, 2: 0}, B={0: 0, 1: 0, 2: 0})
     end, after = pids_within(start, latest, BatchBound(1e9, 10_000, 1.0, 2, yields), first_pid=0)
@@ -181,7 +200,9 @@ def test_new_pids_wait_behind_a_batch_of_whole_pids() -> None:
 def test_the_recent_yields_file_reads_back_what_the_sink_wrote(tmp_path: Path) -> None:
     path = tmp_path / "recent_yields.json"
     assert read_recent_yields(path) == {}
-    write_recent_yields(path, {3: [(10, 20)]})
-    write_recent_yields(path, {3: [(10, 20), (30, 40)], 5: [(1, 0)]})
-    assert read_recent_yields(path) == {3: [(10, 20), (30, 40)], 5: [(1, 0)]}
+    write_recent_yields(path, {3: [(10, 20, 5)]})
+    write_recent_yields(path, {3: [(10, 20, 5), (30, 40, 0)], 5: [(1, 0, 0)]})
+    assert read_recent_yields(path) == {3: [(10, 20, 5), (30, 40, 0)], 5: [(1, 0, 0)]}
+    path.write_text('{"3": [[10, 20]]}')  # an earlier version's file: every result counts as made within
+    assert read_recent_yields(path) == {3: [(10, 20, 20)]}
     assert [f.name for f in tmp_path.iterdir()] == [path.name]
