@@ -160,7 +160,7 @@ def _rows(
 
 def _data_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """One frame of several `_rows`: a pid's rows other than its results leave the worker together,
-    as a frame costs a tenth of a millisecond to make whatever its size and a batch makes a few per pid
+    as a frame costs a fraction of a millisecond to make whatever its size and a batch made a few per pid
     (docs/benchmarks.md, "Where a batch's time goes")."""
     if len(rows) == 1:
         return pd.DataFrame(rows[0])
