@@ -85,10 +85,12 @@ def driver_conf(
         "spark.kubernetes.container.image.pullPolicy": env[PULL_POLICY_ENV],
         "spark.kubernetes.executor.podTemplateFile": env[TEMPLATE_ENV],
         "spark.kubernetes.executor.podTemplateContainerName": "executor",
-        # Spark's configuration files go to executors in a ConfigMap, and it deletes a driver Service
-        # on exit; fluxjoin has no such files and no such Service, and its pods may not touch either.
+        # Spark's configuration files go to executors in a ConfigMap, and on exit it deletes a driver
+        # Service and the claims it made for executors; fluxjoin has no such files, Service or claims,
+        # and its pods may touch none of them (the instances' Role is pods only).
         "spark.kubernetes.executor.disableConfigMap": "true",
         "spark.kubernetes.driver.service.deleteOnTermination": "false",
+        "spark.kubernetes.driver.ownPersistentVolumeClaim": "false",
         "spark.driver.host": env[POD_IP_ENV],
         "spark.driver.port": str(DRIVER_PORT),
         "spark.driver.blockManager.port": str(BLOCK_MANAGER_PORT),

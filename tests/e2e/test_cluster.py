@@ -10,7 +10,8 @@ to a forced deletion and its node's kubelet for 30 s. Each pid's longest pause i
 comes from the instances' batch records. Then the generator stops and the oracle, a Job running
 `fluxjoin verify` on the input topics alone, must find the results exact; `helm uninstall` must leave
 nothing behind. Timings and counts go to reports/e2e.json. Two more installs: one against a Kafka that
-asks for TLS and SCRAM, one whose instance runs its tasks on executor pods that lose one on the way.
+asks for TLS and SCRAM, one whose instance runs its tasks on executor pods, which loses an executor
+and then its driver on the way.
 """
 
 from __future__ import annotations
@@ -521,7 +522,8 @@ def test_an_instance_on_two_executor_pods_loses_one_and_stays_exact(kube: Kube) 
     creates from the same image (spec.instance.executors, the chart's executors.enabled): the executors
     run as the instance pods do, belong to the driver's pod, and do the tasks; the instances' identity may
     manage pods and nothing else. One executor pod is deleted while input flows: Spark replaces it and
-    reruns its tasks, and the oracle finds the results exact."""
+    reruns its tasks. Then the driver's pod is deleted: its executors go with it, and the instance comes
+    back with new ones. The oracle finds the results exact."""
     broker_repository, _, broker_tag = kube.broker_image.partition(":")  # type: ignore[attr-defined]
     values = [
         ("image.repository", IMAGE), ("image.tag", TAG), ("image.pullPolicy", "Never"),
@@ -607,6 +609,23 @@ def test_an_instance_on_two_executor_pods_loses_one_and_stays_exact(kube: Kube) 
     took = wait_until(f"executor {victim['name']} deleted -> replaced", 600, replaced, kube.overview)
     say(f"executors: {victim['name']} deleted -> replaced in {took:.0f} s")
     wait_until("executors: the replacement runs tasks", 300, tasks_on_both, kube.overview)
+
+    # The driver's pod goes too: its executors go with it, the StatefulSet starts it again, and the
+    # instance resumes from its checkpoint on executors of its own.
+    kube.kubectl("delete", "pod", driver["metadata"]["name"], "--wait=false")
+
+    def driver_back() -> bool:
+        pods = kube.pods(instances)
+        if len(pods) != 1 or pods[0]["metadata"]["uid"] == driver["metadata"]["uid"] or not ready():
+            return False
+        owners = {o["uid"] for p in running_executors() for o in p["metadata"].get("ownerReferences", [])}
+        return owners == {pods[0]["metadata"]["uid"]}
+
+    took = wait_until(
+        "executors: driver pod deleted -> back with new executors", 600, driver_back, kube.overview
+    )
+    say(f"executors: driver pod deleted -> back with new executors in {took:.0f} s")
+    wait_until("executors: the new executors run tasks", 300, tasks_on_both, kube.overview)
 
     min_s = EXECUTORS_MIN_TUPLES / EXECUTORS_RATE - (time.monotonic() - t_start)
     if min_s > 0:

@@ -86,6 +86,10 @@ def test_a_driver_pod_tells_spark_where_it_runs_and_its_executors_share_its_chec
     work = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == claim)
     assert conf[f"{volume}.mount.path"] == work == spec.instance.work_dir
     assert conf["spark.kubernetes.executor.node.selector.kubernetes.io/hostname"] == "node-a"
+    # Nothing but pods: no ConfigMap made, no Service or claims deleted on exit (the Role has pods only).
+    assert conf["spark.kubernetes.executor.disableConfigMap"] == "true"
+    assert conf["spark.kubernetes.driver.service.deleteOnTermination"] == "false"
+    assert conf["spark.kubernetes.driver.ownPersistentVolumeClaim"] == "false"
     ports = {p["containerPort"] for p in container["ports"]}
     assert {int(conf["spark.driver.port"]), int(conf["spark.driver.blockManager.port"])} <= ports
     assert {DRIVER_PORT, BLOCK_MANAGER_PORT} <= ports
