@@ -8,7 +8,7 @@ operator gives instance pods in this mode (`controller.k8s.manifests`), one vari
 
 The driver is reached at its pod's IP on fixed ports (`DRIVER_PORT`, `BLOCK_MANAGER_PORT`), so no
 Service is needed and the pod can declare them. Executors mount the instance's own checkpoint volume at
-the same path as the driver (decision 0069): the state store's files are written by the tasks, the offset
+the same path as the driver (decision 0071): the state store's files are written by the tasks, the offset
 and commit logs by the driver, and both must be one directory. The volume being ReadWriteOnce, the
 executors run on the driver's node (a node selector).
 
