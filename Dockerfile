@@ -1,5 +1,5 @@
-# One image for every fluxjoin role: generator, join instance (Spark in local mode inside the pod) and
-# the operator. `make image` (scripts/build-image.sh) builds it as fluxjoin:dev; the Helm chart runs it
+# One image for every fluxjoin role: generator, join instance (Spark in local mode inside the pod, or the
+# driver of executor pods), Spark executor (`fluxjoin executor`) and the operator. `make image` (scripts/build-image.sh) builds it as fluxjoin:dev; the Helm chart runs it
 # with different arguments. Plain `docker build .` works too where PyPI's certificates verify as they are.
 #
 # Two stages: the builder has pip and builds the wheels (PySpark ships as a source archive only); the

@@ -41,6 +41,7 @@ def _kafka_security() -> None:
 
 app.command()(run.generate)
 app.command()(run.instance)
+app.command()(run.executor)
 app.command()(operations.verify)
 app.command()(run.demo)
 app.command()(run.controller)

@@ -69,13 +69,16 @@ def instance(
 ) -> None:
     """Run one join instance (a Spark Structured Streaming query) until interrupted."""
     configure_logging()
+    from pipeline.executors import NotInAPod, check_pod
     from pipeline.health import MetricsPortError
     from pipeline.instance import parse_pids, run_instance
 
     cfg = read_config(config, set_, bootstrap)
     try:
         owned = parse_pids(pids, cfg.partitions) if pids is not None else None
-    except ValueError as exc:
+        if cfg.instance.executors is not None:
+            check_pod(os.environ)
+    except (ValueError, NotInAPod) as exc:
         fail(str(exc))
     errors: tuple[type[Exception], ...] = (*user_errors(), MetricsPortError)
     try:
@@ -84,6 +87,22 @@ def instance(
         )
     except errors as exc:
         fail(str(exc))
+
+
+def executor() -> None:
+    """Run a Spark executor in a pod that an instance's Spark driver created (`instance.executors`).
+
+    Spark's Kubernetes backend starts executor pods from the instance's image with the argument
+    `executor` and says in their environment whom to serve; the image's entry point is this command."""
+    import pyspark
+
+    from pipeline.executors import executor_command
+
+    try:
+        command = executor_command(os.environ, Path(pyspark.__file__).parent / "jars")
+    except KeyError as missing:
+        fail(f"fluxjoin executor runs only in an executor pod Spark created: {missing} is not set")
+    os.execvp(command[0], command)
 
 
 def demo(
@@ -218,6 +237,13 @@ def operator_command(
     image_pull_secrets: Annotated[
         str, typer.Option(envvar="FLUXJOIN_IMAGE_PULL_SECRETS", help="Pull secrets of instance pods, a,b.")
     ] = "",
+    instance_service_account: Annotated[
+        str | None,
+        typer.Option(
+            envvar="FLUXJOIN_INSTANCE_SERVICE_ACCOUNT",
+            help="ServiceAccount of instance pods that run executor pods (spec.instance.executors).",
+        ),
+    ] = None,
     metrics_port: Annotated[
         int, typer.Option(envvar="FLUXJOIN_METRICS_PORT", help="Port of /metrics and /healthz.")
     ] = 9108,
@@ -261,6 +287,7 @@ def operator_command(
             scrape_annotations=scrape_annotations,
             signing_issuer=issuer,
             controller_public_key=public_pem(own.key).decode() if own is not None and issuer else None,
+            executor_service_account=instance_service_account or None,
         ),
     )
     try:

@@ -205,6 +205,22 @@ class GeneratorConfig(_Strict):
             raise ValueError(f"generator.stream_lag_ms names unknown streams: {sorted(unknown)}")
 
 
+JVM_MEMORY = r"^[0-9]+[kKmMgGtT]?$"
+"""A JVM memory setting as Spark takes it: 1g, 1536m, or plain bytes."""
+
+
+class ExecutorsConfig(_Strict):
+    """An instance's Spark executors as pods of Kubernetes (`pipeline.executors`): the instance's process
+    is then the driver, and Spark's Kubernetes backend keeps `count` executor pods running, each with
+    `cores` task slots and a heap of `memory`. Only inside a pod the operator made for it."""
+
+    count: int = Field(1, ge=1, le=64)
+    cores: int = Field(1, ge=1, le=64)
+    memory: str = Field("1g", pattern=JVM_MEMORY)
+    # The CPU each executor pod requests (a Kubernetes quantity such as 500m); None: `cores` whole CPUs.
+    cpu_request: str | None = Field(None, pattern=r"^([0-9]+m|[0-9]+(\.[0-9]+)?)$")
+
+
 class InstanceConfig(_Strict):
     trigger_ms: int = Field(500, ge=0)
     # How often an instance looks at its assignment when the trigger is longer (decision 0027): batches
@@ -219,8 +235,12 @@ class InstanceConfig(_Strict):
     # in one wave, and every task is a Python worker round trip, every partition a state store to load
     # and commit each batch (4 vs 2 on local[2], and 2 vs 1 on local[1]: measured slower; decision 0033).
     shuffle_partitions: int = Field(2, ge=1)
-    spark_master: str = "local[2]"
-    driver_memory: str = Field("1g", pattern=r"^[0-9]+[kKmMgGtT]?$")
+    # Where the query's tasks run without executors: inside the instance's own process, on this many
+    # cores. Nothing else: a master of another kind needs what only `executors` sets up.
+    spark_master: str = Field("local[2]", pattern=r"^local\[[1-9][0-9]*\]$")
+    driver_memory: str = Field("1g", pattern=JVM_MEMORY)
+    # Executor pods instead of local mode (`pipeline.executors`); None: local mode, `spark_master`.
+    executors: ExecutorsConfig | None = None
     # How many bytes of window state (all its pids' windows) the instance may hold; 0: a quarter of the
     # driver's heap, where the state store keeps its windows (docs/memory.md says why a quarter). A
     # budget set while it runs (`fluxjoin budget`) replaces this one.

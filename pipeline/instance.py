@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.batch_metrics import BatchRecord
 from pipeline.batch_timings import BatchTimingsLog
 from pipeline.config import Config
+from pipeline.executors import driver_conf
 from pipeline.health import STALL_TIMEOUT_S, InstanceHealth, InstanceMetrics, Phase, serve
 from pipeline.instance_files import OwnedPids, read_assignment, write_assignment
 
@@ -144,32 +145,41 @@ THREAD_STACK = "64m"
 """JVM thread stack size (reserved address space; only the pages used are committed)."""
 
 
+JAVA_OPTIONS = f"-Xss{THREAD_STACK} -XX:+ExitOnOutOfMemoryError -XX:TieredStopAtLevel=1"
+"""The JVM options of an instance's driver, and of its executors where it has them.
+
+Stopping the query interrupts the batch in foreachBatch; Spark recognises the interruption by matching
+the Python traceback with a regex that recurses once per character, which overflows the default 1 MB
+thread stack and turns a clean stop into a StackOverflowError. A JVM out of heap exits instead of living
+on: an OutOfMemoryError in one of Spark's threads (the task-result getter, collecting a batch with
+millions of results) leaves the query waiting forever for a result that never comes, and a hung instance
+still heart-beats, so the controller would never recover its pids. Exiting makes it a dead instance
+(replay recovery); an executor that exits is replaced by Spark, which reruns its tasks. C1 only
+(decision 0011): tiered compilation's C2 kept optimising Spark's planner long after start-up, on a
+budget of a fraction of a core, and C2-compiled code was no faster per batch."""
+
+
 def spark_session(cfg: Config, app_name: str, extra_conf: dict[str, str] | None = None) -> Any:
-    """A local Spark session tuned for one instance: small shuffles, Arrow, no UI."""
+    """A Spark session tuned for one instance: small shuffles, Arrow, no UI. In local mode on
+    `instance.spark_master`, or with `instance.executors` the driver of executor pods
+    (`pipeline.executors`); NotInAPod when those cannot be had here."""
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    executors = cfg.instance.executors
+    mode = (
+        {"spark.master": cfg.instance.spark_master}
+        if executors is None
+        else driver_conf(executors, str(Path(cfg.instance.work_dir).resolve()), JAVA_OPTIONS, os.environ)
+    )
     builder = SparkSession.builder
-    for key, value in (extra_conf or {}).items():
+    for key, value in {**mode, **(extra_conf or {})}.items():
         builder = builder.config(key, value)
     return (
-        builder.master(cfg.instance.spark_master)
-        .appName(app_name)
+        builder.appName(app_name)
         .config("spark.driver.memory", cfg.instance.driver_memory)
-        # Stopping the query interrupts the batch in foreachBatch; Spark recognises the interruption by
-        # matching the Python traceback with a regex that recurses once per character, which overflows
-        # the default 1 MB thread stack and turns a clean stop into a StackOverflowError.
-        # A JVM out of heap exits instead of living on: an OutOfMemoryError in one of Spark's threads
-        # (the task-result getter, collecting a batch with millions of results) leaves the query waiting
-        # forever for a result that never comes, and a hung instance still heart-beats, so the
-        # controller would never recover its pids. Exiting makes it a dead instance (replay recovery).
-        # C1 only (decision 0011): tiered compilation's C2 kept optimising Spark's planner long after
-        # start-up, on a budget of a fraction of a core, and C2-compiled code was no faster per batch.
-        .config(
-            "spark.driver.extraJavaOptions",
-            f"-Xss{THREAD_STACK} -XX:+ExitOnOutOfMemoryError -XX:TieredStopAtLevel=1",
-        )
+        .config("spark.driver.extraJavaOptions", JAVA_OPTIONS)
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", str(cfg.instance.shuffle_partitions))
         .config("spark.sql.execution.arrow.maxRecordsPerBatch", "100000")

@@ -7,7 +7,8 @@ sends them, and so that re-rendering from unchanged inputs gives an identical ob
 Owned objects, all named after the pipeline and labelled with `fluxjoin.io/pipeline`:
 - a StatefulSet of join instances (pod `<name>-<ordinal>` is instance `<name>-<ordinal>`), each with a
   PersistentVolumeClaim `checkpoint-<name>-<ordinal>` for its Spark checkpoint;
-- a ConfigMap holding the instances' configuration file, mounted into every instance pod;
+- a ConfigMap holding the instances' configuration file, mounted into every instance pod (and with
+  `spec.instance.executors`, the template of their executor pods, which Spark creates);
 - a headless Service giving the instance pods stable DNS names;
 - a PodDisruptionBudget letting a voluntary disruption (a node drain) take one instance pod at a time.
 
@@ -27,6 +28,7 @@ import yaml
 from controller.k8s.resource import CaSecret, ClientCertSecret, KafkaSecurity, PasswordSecret
 from controller.k8s.spec import API_VERSION, FIELD_MANAGER, KIND, WORK_DIR, InstanceSettings, PipelineSpec
 from controller.scaling import ordinal_of
+from pipeline import executors
 from pipeline.config import Config
 from pipeline.signing import ISSUER_ENV, TOKEN_AUDIENCE, TOKEN_ENV, TRUST_ENV
 
@@ -132,9 +134,12 @@ def instance_config(spec: PipelineSpec) -> dict[str, Any]:
     return document
 
 
-def config_map(spec: PipelineSpec, controller_public_key: str | None = None) -> dict[str, Any]:
-    """The ConfigMap holding the instances' configuration file (`CONFIG_FILE`), and with signing on the
-    controller's public key they trust (`CONTROLLER_KEY_FILE`)."""
+def config_map(
+    spec: PipelineSpec, controller_public_key: str | None = None, pull_secrets: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The ConfigMap holding the instances' configuration file (`CONFIG_FILE`), with signing on the
+    controller's public key they trust (`CONTROLLER_KEY_FILE`), and with executors the executor pods'
+    template (`EXECUTOR_TEMPLATE_FILE`, pulled with `pull_secrets`)."""
     text = (
         f"# fluxjoin instance configuration of JoinPipeline {spec.namespace}/{spec.name}, written by the\n"
         "# operator from the pipeline's spec: edit the JoinPipeline, not this file.\n"
@@ -142,7 +147,95 @@ def config_map(spec: PipelineSpec, controller_public_key: str | None = None) -> 
     data = {CONFIG_FILE: text} | (
         {CONTROLLER_KEY_FILE: controller_public_key} if controller_public_key else {}
     )
+    if spec.instance.executors is not None:
+        data[EXECUTOR_TEMPLATE_FILE] = yaml.safe_dump(
+            executor_pod_template(spec, pull_secrets), sort_keys=False
+        )
     return _with_hash({"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(spec), "data": data})
+
+
+EXECUTOR_TEMPLATE_FILE = "executor-pod.yaml"
+POD_SECURITY_CONTEXT = {
+    "runAsNonRoot": True,
+    "runAsUser": 10001,
+    "runAsGroup": 10001,
+    "fsGroup": 10001,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""Of every pod the operator has run: instance and executor pods alike (Pod Security `restricted`)."""
+CONTAINER_SECURITY_CONTEXT = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def executor_pod_template(spec: PipelineSpec, pull_secrets: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The pod template Spark's Kubernetes backend builds each executor pod on (`pipeline.executors`).
+
+    Spark adds the image, the command's variables, resources, ports, its local directories, the
+    checkpoint volume and the owner reference to the driver's pod; the template brings what fluxjoin's
+    pods have besides: the same security context as the instance pods, a writable /tmp, the Kafka
+    credentials (the tasks read the input and report to Kafka), and no API token (executors never call
+    the API server). Its labels say which pipeline the executor works for, and that it is no instance,
+    so that no selector of the instances' picks it up."""
+    kafka_env, kafka_volume = kafka_credentials(spec.kafka_security)
+    container: dict[str, Any] = {
+        "name": "executor",
+        "env": kafka_env,
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "securityContext": POD_SECURITY_CONTEXT,
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+    }
+    if kafka_volume is not None:
+        pod["volumes"].append(kafka_volume)
+        container["volumeMounts"].append(
+            {"name": kafka_volume["name"], "mountPath": KAFKA_CREDENTIALS_DIR, "readOnly": True}
+        )
+    if pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in pull_secrets]
+    labels = {**_labels(spec.name), "app.kubernetes.io/component": "executor"}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"labels": labels}, "spec": pod}
+
+
+def executor_mode(
+    spec: PipelineSpec, settings: InstanceSettings, image: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """What an instance pod adds to be the Spark driver of executor pods (`pipeline.executors`): the
+    environment that says where it runs, the driver's ports, and the pod's service account with its
+    token (Spark's Kubernetes client creates, watches and deletes the executor pods). Nothing without
+    `spec.instance.executors`; ValueError when no service account for it was given to the operator."""
+    if spec.instance.executors is None:
+        return [], [], {}
+    if not settings.executor_service_account:
+        raise ValueError(
+            "spec.instance.executors needs the instances' ServiceAccount, which may create pods: install "
+            "the chart with executors.enabled=true (or run the operator with --instance-service-account)"
+        )
+
+    def field(name: str, path: str) -> dict[str, Any]:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    env = [
+        field(executors.POD_IP_ENV, "status.podIP"),
+        field(executors.NODE_NAME_ENV, "spec.nodeName"),
+        {"name": executors.IMAGE_ENV, "value": image},
+        {"name": executors.PULL_POLICY_ENV, "value": settings.pull_policy},
+        # The StatefulSet's claim of this pod: its template names the volume, the claim adds the pod's name.
+        {"name": executors.CLAIM_ENV, "value": f"{CHECKPOINT_VOLUME}-$({executors.POD_NAME_ENV})"},
+        {"name": executors.TEMPLATE_ENV, "value": f"{CONFIG_DIR}/{EXECUTOR_TEMPLATE_FILE}"},
+    ]
+    ports = [
+        {"name": "spark-driver", "containerPort": executors.DRIVER_PORT, "protocol": "TCP"},
+        {"name": "spark-blocks", "containerPort": executors.BLOCK_MANAGER_PORT, "protocol": "TCP"},
+    ]
+    pod = {"serviceAccountName": settings.executor_service_account, "automountServiceAccountToken": True}
+    return env, ports, pod
 
 
 SIGNING_TOKEN_DIR = "/var/run/secrets/fluxjoin"
@@ -267,28 +360,31 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
         if settings.scrape_annotations else {}
     )  # fmt: skip
     # The file's content changes no argument: its hash in the template rolls the pods when it changes.
-    annotations[CONFIG_HASH_ANNOTATION] = _digest(config_map(spec, settings.controller_public_key)["data"])
+    annotations[CONFIG_HASH_ANNOTATION] = _digest(
+        config_map(spec, settings.controller_public_key, settings.pull_secrets)["data"]
+    )
     kafka_env, kafka_volume = kafka_credentials(spec.kafka_security)
     signing_env, token_volume = signing(settings)
+    driver_env, driver_ports, driver_pod = executor_mode(spec, settings, image)
     container: dict[str, Any] = {
         "name": "instance",
         "image": image,
         "imagePullPolicy": settings.pull_policy,
         "args": instance_args(settings),
         "env": [
-            {"name": "FLUXJOIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            {"name": "FLUXJOIN_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": executors.POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": executors.NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             *kafka_env,
             *signing_env,
+            *driver_env,
         ],
-        "ports": [{"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"}],
+        "ports": [
+            {"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"},
+            *driver_ports,
+        ],
         **_probes(),
         "resources": dict(spec.resources),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
         "volumeMounts": [
             {"name": CHECKPOINT_VOLUME, "mountPath": WORK_DIR},
             {"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
@@ -299,18 +395,13 @@ def statefulset(spec: PipelineSpec, settings: InstanceSettings, replicas: int) -
         "automountServiceAccountToken": False,
         # A draining instance must finish before the kubelet's SIGKILL: its timeout and a margin to stop.
         "terminationGracePeriodSeconds": int(max(60, spec.drain_timeout_s + 30)),
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": 10001,
-            "runAsGroup": 10001,
-            "fsGroup": 10001,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": POD_SECURITY_CONTEXT,
         "containers": [container],
         "volumes": [
             {"name": CONFIG_VOLUME, "configMap": {"name": spec.name}},
             {"name": "tmp", "emptyDir": {}},
         ],
+        **driver_pod,
     }
     if kafka_volume is not None:
         pod_spec["volumes"].append(kafka_volume)

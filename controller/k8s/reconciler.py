@@ -223,7 +223,10 @@ class Operator:
         spec = PipelineSpec.from_object(obj)
         mover = self._mover(spec)
         # Before the StatefulSet: its pods mount the ConfigMap, and a pod started without it waits.
-        owned = (config_map(spec, self._settings.controller_public_key), service(spec, self._settings))
+        owned = (
+            config_map(spec, self._settings.controller_public_key, self._settings.pull_secrets),
+            service(spec, self._settings),
+        )
         for desired in (*owned, pod_disruption_budget(spec)):
             self._api.apply(self._api.read(desired["kind"], spec.name), desired)
 

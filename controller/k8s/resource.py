@@ -35,7 +35,7 @@ from pydantic.fields import FieldInfo
 from controller.assignment import HandoffMode
 from controller.observation.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S
 from controller.policies import POLICIES, FluxMemoryParams, FluxParams, MemoryParams
-from pipeline.config import Config, InstanceConfig, TopicsConfig
+from pipeline.config import Config, ExecutorsConfig, InstanceConfig, TopicsConfig
 
 DEFAULT_POLICY = "flux"
 """The policy of a pipeline that names none."""
@@ -370,6 +370,17 @@ class KafkaSpec(_Spec):
     )
 
 
+class ExecutorsSpec(_Spec):
+    """spec.instance.executors: Spark executors as pods (`pipeline.executors`)."""
+
+    count: int = _like(ExecutorsConfig, "count", "Executor pods each instance keeps running.")
+    cores: int = _like(ExecutorsConfig, "cores", "Task slots (spark.executor.cores) of each executor.")
+    memory: str = _like(ExecutorsConfig, "memory", "Heap of each executor, e.g. 1g or 512m.")
+    cpu_request: str | None = _like(
+        ExecutorsConfig, "cpu_request", "CPU each executor pod requests, e.g. 500m; unset - cores whole CPUs."
+    )
+
+
 class InstanceSpec(_Spec):
     trigger_ms: int = _like(
         InstanceConfig,
@@ -395,7 +406,9 @@ class InstanceSpec(_Spec):
         "Partitions of the stateful stage and read tasks of the source: one per core of sparkMaster.",
     )
     spark_master: str = _like(
-        InstanceConfig, "spark_master", "Spark's master URL, local[cores].", minLength=1
+        InstanceConfig,
+        "spark_master",
+        "Without executors: Spark's local mode in the instance pod, local[cores].",
     )
     driver_memory: str = _like(
         InstanceConfig,
@@ -408,6 +421,12 @@ class InstanceSpec(_Spec):
         "Bytes of window state an instance may hold (0: a quarter of driverMemory); the memory "
         "policies move state away from an instance over it. `fluxjoin budget` changes it while it runs.",
         format="int64",
+    )
+    executors: ExecutorsSpec | None = Field(
+        None,
+        description="Run each instance's Spark tasks on executor pods that Spark creates from the instance "
+        "image, the instance pod being the driver; needs the instances' ServiceAccount "
+        "(docs/kubernetes.md, 'Executor pods'). Unset: local mode (sparkMaster).",
     )
     spill_threshold: float = _like(
         InstanceConfig,

@@ -146,3 +146,6 @@ class InstanceSettings:
     """Where instance pods ask for their signing certificates (the operator's Service); None: no signing."""
     controller_public_key: str | None = None
     """The controller's public key (PEM) instance pods trust; set together with `signing_issuer`."""
+    executor_service_account: str | None = None
+    """The ServiceAccount of instance pods whose pipeline runs executor pods (`spec.instance.executors`):
+    its Role lets Spark's driver create, watch and delete pods. None: such pipelines fail to reconcile."""

@@ -9,7 +9,9 @@ certified by the operator, every control and metrics record checked); while inpu
 to a forced deletion and its node's kubelet for 30 s. Each pid's longest pause in each rolling update
 comes from the instances' batch records. Then the generator stops and the oracle, a Job running
 `fluxjoin verify` on the input topics alone, must find the results exact; `helm uninstall` must leave
-nothing behind. Timings and counts go to reports/e2e.json.
+nothing behind. Timings and counts go to reports/e2e.json. Two more installs: one against a Kafka that
+asks for TLS and SCRAM, one whose instance runs its tasks on executor pods, which loses an executor
+and then its driver on the way.
 """
 
 from __future__ import annotations
@@ -166,11 +168,15 @@ def _instance_pods_ready(kube: Kube, replicas: int) -> bool:
 
 
 def _job(
-    kube: Kube, name: str, container: dict[str, Any], pod: dict[str, Any] | None = None
+    kube: Kube,
+    name: str,
+    container: dict[str, Any],
+    pod: dict[str, Any] | None = None,
+    pipeline: str = PIPELINE,
 ) -> dict[str, Any]:
-    """Run `container` (the image, the generator's configuration mounted at /etc/fluxjoin) as a Job in the
-    cluster, as a non-root user, with `pod`'s fields over the pod's (its volumes, its security context);
-    the last JSON line of its log."""
+    """Run `container` (the image, the configuration of `pipeline`'s generator mounted at /etc/fluxjoin)
+    as a Job in the cluster, as a non-root user, with `pod`'s fields over the pod's (its volumes, its
+    security context); the last JSON line of its log."""
     manifest = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -190,7 +196,7 @@ def _job(
                             **container,
                         }
                     ],
-                    "volumes": [{"name": "config", "configMap": {"name": f"{PIPELINE}-generator"}}],
+                    "volumes": [{"name": "config", "configMap": {"name": f"{pipeline}-generator"}}],
                     **(pod or {}),
                 }
             },
@@ -503,3 +509,142 @@ def test_helm_install_on_a_kafka_with_tls_scram_and_acls_stays_exact(kube: Kube,
         kafka_runtime.stop(port)
     assert verdict.get("exact") is True, f"the oracle found the results not exact: {verdict}"
     assert verdict["input_tuples"] > 10_000
+
+
+EXECUTORS_RELEASE = "fjx"
+EXECUTORS_PIPELINE = f"{EXECUTORS_RELEASE}-fluxjoin"
+EXECUTORS_RATE = 1000
+EXECUTORS_MIN_TUPLES = 60_000
+
+
+def test_an_instance_on_two_executor_pods_loses_one_and_stays_exact(kube: Kube) -> None:
+    """One instance pod as Spark's driver, its tasks on two executor pods that Spark's Kubernetes backend
+    creates from the same image (spec.instance.executors, the chart's executors.enabled): the executors
+    run as the instance pods do, belong to the driver's pod, and do the tasks; the instances' identity may
+    manage pods and nothing else. One executor pod is deleted while input flows: Spark replaces it and
+    reruns its tasks. Then the driver's pod is deleted: its executors go with it, and the instance comes
+    back with new ones. The oracle finds the results exact."""
+    broker_repository, _, broker_tag = kube.broker_image.partition(":")  # type: ignore[attr-defined]
+    values = [
+        ("image.repository", IMAGE), ("image.tag", TAG), ("image.pullPolicy", "Never"),
+        ("kafka.trial.enabled", "true"), ("kafka.trial.image.repository", broker_repository),
+        ("kafka.trial.image.tag", broker_tag), ("kafka.trial.image.pullPolicy", "Never"),
+        ("kafka.trial.storage.size", "2Gi"), ("kafka.trial.resources.requests.cpu", "100m"),
+        ("operator.resources.requests.cpu", "50m"),
+        ("executors.enabled", "true"),
+        ("pipeline.create", "true"), ("pipeline.replicas", "1"), ("pipeline.partitions", "8"),
+        ("pipeline.streams", "{A,B}"),
+        ("pipeline.instance.executors.count", "2"),
+        ("pipeline.instance.executors.cpuRequest", "100m"),
+        ("pipeline.resources.requests.cpu", "100m"), ("pipeline.resources.requests.memory", "1Gi"),
+        ("pipeline.checkpoint.size", "1Gi"),
+        ("generator.enabled", "true"), ("generator.resources.requests.cpu", "50m"),
+        ("generator.config.rate.rate", str(EXECUTORS_RATE)), ("generator.config.keys.count", "2000"),
+    ]  # fmt: skip
+    t_start = time.monotonic()
+    kube.helm("install", EXECUTORS_RELEASE, str(CHART), *helm_values(values))
+    instances = f"app.kubernetes.io/component=instance,{PIPELINE_LABEL}={EXECUTORS_PIPELINE}"
+    executors = f"app.kubernetes.io/component=executor,{PIPELINE_LABEL}={EXECUTORS_PIPELINE}"
+
+    def running_executors() -> list[dict[str, Any]]:
+        return [
+            p for p in kube.pods(executors) if pod_ready(p) and not p["metadata"].get("deletionTimestamp")
+        ]
+
+    def ready() -> bool:
+        status = kube.get("joinpipeline", EXECUTORS_PIPELINE).get("status", {})
+        pods = kube.pods(instances)
+        return (
+            status.get("readyReplicas") == 1
+            and len(pods) == 1
+            and pod_ready(pods[0])
+            and len(running_executors()) == 2
+        )
+
+    took = wait_until("executors: Ready with 1 instance and 2 executor pods", 900, ready, kube.overview)
+    say(f"executors: Ready with 1 instance and 2 executor pods: {took:.0f} s")
+    (driver,) = kube.pods(instances)
+    instance_pod = driver["spec"]
+    for pod in running_executors():
+        owners = pod["metadata"].get("ownerReferences", [])
+        assert [o["uid"] for o in owners] == [driver["metadata"]["uid"]], owners
+        assert pod["spec"]["securityContext"] == instance_pod["securityContext"]
+        (container,) = pod["spec"]["containers"]
+        assert container["securityContext"] == instance_pod["containers"][0]["securityContext"]
+        assert container["image"] == f"{IMAGE}:{TAG}"
+    # The instances' identity manages pods, and only pods.
+    account = f"system:serviceaccount:{NAMESPACE}:{EXECUTORS_PIPELINE}-instance"
+    assert instance_pod["serviceAccountName"] == f"{EXECUTORS_PIPELINE}-instance"
+    rights = [
+        ("create", "pods", "yes"),
+        ("delete", "pods", "yes"),
+        ("create", "configmaps", "no"),
+        ("create", "services", "no"),
+        ("get", "secrets", "no"),
+        ("create", "persistentvolumeclaims", "no"),
+    ]
+    for verb, resource, allowed in rights:
+        answer = kube.kubectl("auth", "can-i", verb, resource, f"--as={account}", check=False).strip()
+        assert answer == allowed, (verb, resource, answer)
+
+    # The tasks run on the executors: each has finished tasks, of the join's stage too.
+    def tasks_on_both() -> bool:
+        logs = [
+            kube.kubectl("logs", f"pod/{p['metadata']['name']}", check=False) for p in running_executors()
+        ]
+        return len(logs) == 2 and all("Finished task" in log for log in logs)
+
+    wait_until("executors: both have run tasks", 300, tasks_on_both, kube.overview)
+
+    # One executor pod goes while input flows: Spark creates another, gives it tasks, and the query
+    # carries on.
+    time.sleep(20)
+    victim = running_executors()[0]["metadata"]
+    kube.kubectl("delete", "pod", victim["name"], "--wait=false")
+
+    def replaced() -> bool:
+        names = {p["metadata"]["name"] for p in running_executors()}
+        return len(names) == 2 and victim["name"] not in names and ready()
+
+    took = wait_until(f"executor {victim['name']} deleted -> replaced", 600, replaced, kube.overview)
+    say(f"executors: {victim['name']} deleted -> replaced in {took:.0f} s")
+    wait_until("executors: the replacement runs tasks", 300, tasks_on_both, kube.overview)
+
+    # The driver's pod goes too: its executors go with it, the StatefulSet starts it again, and the
+    # instance resumes from its checkpoint on executors of its own.
+    kube.kubectl("delete", "pod", driver["metadata"]["name"], "--wait=false")
+
+    def driver_back() -> bool:
+        pods = kube.pods(instances)
+        if len(pods) != 1 or pods[0]["metadata"]["uid"] == driver["metadata"]["uid"] or not ready():
+            return False
+        owners = {o["uid"] for p in running_executors() for o in p["metadata"].get("ownerReferences", [])}
+        return owners == {pods[0]["metadata"]["uid"]}
+
+    took = wait_until(
+        "executors: driver pod deleted -> back with new executors", 600, driver_back, kube.overview
+    )
+    say(f"executors: driver pod deleted -> back with new executors in {took:.0f} s")
+    wait_until("executors: the new executors run tasks", 300, tasks_on_both, kube.overview)
+
+    min_s = EXECUTORS_MIN_TUPLES / EXECUTORS_RATE - (time.monotonic() - t_start)
+    if min_s > 0:
+        time.sleep(min_s)
+    kube.kubectl("scale", "deployment", f"{EXECUTORS_PIPELINE}-generator", "--replicas=0")
+    generators = f"app.kubernetes.io/component=generator,app.kubernetes.io/instance={EXECUTORS_RELEASE}"
+    wait_until("executors: generator stopped", 120, lambda: not kube.pods(generators), kube.overview)
+    verdict: dict[str, Any] = {}
+    for attempt in range(1, 11):
+        verify = {"args": ["verify", "--config", "/etc/fluxjoin/fluxjoin.yaml", "--json"]}
+        verdict = _job(kube, f"executors-oracle-{attempt}", verify, pipeline=EXECUTORS_PIPELINE)
+        say(f"executors: oracle attempt {attempt}: {json.dumps({k: verdict.get(k) for k in ORACLE_COUNTS})}")
+        if verdict.get("exact"):
+            break
+        time.sleep(20)
+    driver_log = kube.kubectl("logs", f"pod/{driver['metadata']['name']}")
+    kube.helm("uninstall", EXECUTORS_RELEASE, "--wait", "--timeout", "5m")
+    wait_until("executors: executor pods gone with the pipeline", 300, lambda: not kube.pods(executors),
+               kube.overview)  # fmt: skip
+    assert "forbidden" not in driver_log.lower(), driver_log[-5000:]
+    assert verdict.get("exact") is True, f"the oracle found the results not exact: {verdict}"
+    assert verdict["input_tuples"] >= EXECUTORS_MIN_TUPLES

@@ -72,7 +72,8 @@ def test_plain_crd_is_the_one_in_the_kustomization(k8s_bin: Path) -> None:
 def test_helm_lint_is_clean(k8s_bin: Path) -> None:
     """`helm lint --strict` (warnings fail too) with the defaults and with every optional part switched on."""
     chart = REPO / "charts" / "fluxjoin"
-    for extra in ([], ["--set", "pipeline.create=true,kafka.trial.enabled=true,generator.enabled=true"]):
+    every_part = "pipeline.create=true,kafka.trial.enabled=true,generator.enabled=true,executors.enabled=true"
+    for extra in ([], ["--set", every_part, "--set", "pipeline.instance.executors.count=2"]):
         out = subprocess.run(
             [str(k8s_bin / "helm"), "lint", "--strict", str(chart), *extra], capture_output=True, text=True
         )
