@@ -302,7 +302,7 @@ def measure_latency(cfg: Config, bootstrap: str, work: Path, say: Callable[[str]
         "latency_p99_s": p99,
         "slowest_batches": slowest,
         "median_batch": median,
-        "input_commit_delay_s": generated.get("commit_delay_s"),
+        "input_commit_delay_s": delay,
         # Per batch: seconds since the input began, tuples read, input messages left beyond it at its
         # commit, and its p50 latency: a stretch of high latency with nothing left to read is input
         # that became readable late; with a backlog left, the instance fell behind.

@@ -156,17 +156,17 @@ def batch_record(
             "window_tuples": int(w),
             "newest_ms": int(t),
             "latency_sample": _sample(by_pid.get(int(p), np.empty(0)), 20),
-            "within": decode_stats_payload(payload)[0],
-            "hot_key": decode_stats_payload(payload)[1],
+            "within": within,
+            "hot_key": hot,
         }
-        for p, n, r, b, w, t, payload in zip(
+        for p, n, r, b, w, t, (within, hot) in zip(
             columns["pid"][stats],
             columns["id0"][stats],
             columns["id1"][stats],
             columns["aux"][stats],
             columns["key"][stats],
             columns["ts"][stats],
-            columns["payload"][stats],
+            map(decode_stats_payload, columns["payload"][stats]),
             strict=True,
         )
     }

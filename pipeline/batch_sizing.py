@@ -142,10 +142,8 @@ def _slices_of_new_pids(
     streams = list(latest)
     new = [
         (i, p)
-        for i, p in enumerate(order)
-        if i >= first
-        and not bound.yields.get(p)
-        and any(latest[s][str(p)] > start[s][str(p)] for s in streams)
+        for i, p in enumerate(order[first:], start=first)
+        if not bound.yields.get(p) and any(latest[s][str(p)] > start[s][str(p)] for s in streams)
     ]
     m = bound.streams
     # k slices of m messages each: k * (m * per_message / m)^m results at worst, k * m messages

@@ -176,34 +176,34 @@ def _no_results(m: int) -> Results:
     return Results(np.empty((m, 0), dtype=np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
 
 
-def key_combinations(parts: list[Part]) -> int:
-    """How many combinations of one tuple per part share a key: the results these tuples could make
-    among themselves if every pair lay within W (an upper bound, counted from the keys alone)."""
-    if any(len(p) == 0 for p in parts):
-        return 0
+def _combinations_so_far(parts: list[Part]) -> Iterator[float]:
+    """After each part from the second on, how many combinations of one tuple of every part so far
+    share a key, counted from the keys alone; ends at the first part that leaves none."""
     keys, combos = np.unique(parts[0].keys, return_counts=True)
     combos = combos.astype(np.float64)
     for p in parts[1:]:
         other, counts = np.unique(p.keys, return_counts=True)
         keys, mine, theirs = np.intersect1d(keys, other, assume_unique=True, return_indices=True)
         combos = combos[mine] * counts[theirs]
-    return int(min(float(combos.sum()), np.iinfo(np.int64).max))
+        yield float(combos.sum())
+        if not len(keys):
+            return
+
+
+def key_combinations(parts: list[Part]) -> int:
+    """How many combinations of one tuple per part share a key: the results these tuples could make
+    among themselves if every pair lay within W (an upper bound, counted from the keys alone)."""
+    if any(len(p) == 0 for p in parts):
+        return 0
+    *_, combinations = _combinations_so_far(parts)
+    return int(min(combinations, np.iinfo(np.int64).max))
 
 
 def merge_size(parts: list[Part]) -> int:
     """The most rows `join_parts` holds at once for these parts: the largest of its merges' outputs
     before the window filter, counted from the keys alone (an upper bound of the results)."""
-    order = sorted(range(len(parts)), key=lambda j: len(parts[j]))
-    keys, counts = np.unique(parts[order[0]].keys, return_counts=True)
-    sizes = counts.astype(np.float64)
-    largest = float(len(parts[order[0]]))
-    for j in order[1:]:
-        other, other_counts = np.unique(parts[j].keys, return_counts=True)
-        common, mine, theirs = np.intersect1d(keys, other, assume_unique=True, return_indices=True)
-        keys, sizes = common, sizes[mine] * other_counts[theirs]
-        largest = max(largest, float(sizes.sum()))
-        if not len(keys):
-            break
+    ordered = sorted(parts, key=len)  # as `join_parts` merges them
+    largest = max([float(len(ordered[0])), *_combinations_so_far(ordered)])
     return int(min(largest, np.iinfo(np.int64).max))
 
 

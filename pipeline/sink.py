@@ -186,12 +186,12 @@ class ExactlyOnceSink:
         """Whether to spill at the configured threshold now, or only past the whole budget
         (`InstanceFollower.spill_at_threshold`)."""
         self._held: dict[int, int] = {}
+        """Each kept pid's window state in bytes, as its newest batch left it: a batch reports only the
+        pids it read, and an idle pid holds its window still."""
         self.phases: dict[int, dict[str, float]] = {}
         """Seconds each of the newest batches spent in the sink's phases (`batch_timings.SINK_PHASES`),
         by batch: the instance's `BatchTimingsLog` reads them."""
         self._committing_at = 0.0
-        """Each kept pid's window state in bytes, as its newest batch left it: a batch reports only the
-        pids it read, and an idle pid holds its window still."""
         self._over_budget_said_at = -HOT_WARNING_EVERY_S
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
@@ -244,8 +244,8 @@ class ExactlyOnceSink:
             del self.phases[old]
 
     def _note_yields(self, offsets: dict[str, Any], metrics: BatchRecord) -> None:
-        """Note each pid's tuples and results, for the source to bound the next batches by
-        (`pipeline.batch_sizing.pids_within`); pids no longer kept are forgotten."""
+        """Note each pid's tuples, results and key combinations within, for the source to bound the next
+        batches by (`pipeline.batch_sizing.pids_within`); pids no longer kept are forgotten."""
         kept = offsets["offsets"].get(self.streams[0], {})
         fed = {int(p): s for p, s in metrics["pids"].items() if s["in"]}
         for p, stats in fed.items():
