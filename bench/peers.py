@@ -32,7 +32,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,10 @@ class FlinkJob:
     parallelism: int = 2
     checkpoint_ms: int = CHECKPOINT_MS
     batch: int = RESULTS_PER_MESSAGE
+    rescale_to: int = 0
+    """Above 0: once `rescale_signal` exists, stop with a savepoint and restart at this parallelism."""
+    rescale_signal: Path | None = None
+    savepoint_dir: Path | None = None
 
     @classmethod
     def of(cls, cfg: Config, bootstrap: str, results: str, work: Path, bounded: bool) -> FlinkJob:
@@ -129,8 +133,12 @@ class FlinkJob:
             txn_prefix=f"{cfg.pipeline}-flink",
         )
 
+    def rescaled(self, parallelism: int, signal: Path, savepoint_dir: Path) -> FlinkJob:
+        """The job that rescales to `parallelism` by stop-with-savepoint once the file `signal` exists."""
+        return replace(self, rescale_to=parallelism, rescale_signal=signal, savepoint_dir=savepoint_dir)
+
     def command(self, java: str, classpath: Sequence[Path]) -> list[str]:
-        args = {
+        args: dict[str, object] = {
             "bootstrap": self.bootstrap,
             "left": self.inputs[0],
             "right": self.inputs[1],
@@ -144,6 +152,13 @@ class FlinkJob:
             "batch": self.batch,
             "txn-prefix": self.txn_prefix,
         }
+        if self.rescale_to:
+            assert self.rescale_signal is not None and self.savepoint_dir is not None
+            args |= {
+                "rescale-to": self.rescale_to,
+                "rescale-signal": self.rescale_signal.resolve(),
+                "savepoint-dir": self.savepoint_dir.resolve(),
+            }
         flags = [item for name, value in args.items() for item in (f"--{name}", str(value))]
         return [java, *JVM_OPTIONS, "-cp", ":".join(str(j) for j in classpath), MAIN_CLASS, *flags]
 
@@ -250,7 +265,7 @@ def measure_flink(
 
 class ResultWatch:
     """A read_committed reader of a results topic from its start, in a thread: for each message the
-    time it was read and its results' max event times."""
+    time it was read and its results' max event times (`seen`), and their keys (`keys`, in step)."""
 
     def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
         from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
@@ -268,6 +283,7 @@ class ResultWatch:
         )
         self.consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
         self.seen: list[tuple[float, npt.NDArray[np.int64]]] = []
+        self.keys: list[npt.NDArray[np.int64]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._follow, daemon=True)
         self.thread.start()
@@ -279,7 +295,9 @@ class ResultWatch:
             msg = self.consumer.poll(0.1)
             value = None if msg is None or msg.error() is not None else msg.value()
             if value:
-                self.seen.append((time.time(), decode_results(value).max_event_times.copy()))
+                batch = decode_results(value)
+                self.keys.append(batch.keys.copy())
+                self.seen.append((time.time(), batch.max_event_times.copy()))
 
     def wait_quiet(self, timeout_s: float = 300) -> None:
         """Return once no message has come for `QUIET_S` seconds: the engine has caught up."""

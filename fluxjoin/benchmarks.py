@@ -23,6 +23,7 @@ from fluxjoin.options import (
     SetOpt,
     broker_address,
     fail,
+    handoff_mode,
     progress,
     read_config,
     user_errors,
@@ -138,6 +139,44 @@ def bench_peers(
     compact = {k: v for k, v in summary.items() if k != "runs"}
     print(json.dumps(compact) if shared.json else json.dumps(compact, indent=2))
     raise typer.Exit(0 if summary["exact"] and summary["flink_exact"] else 1)
+
+
+@_pipeline_bench("rescale")
+def bench_rescale(
+    shared: SharedOptions,
+    rate: Annotated[float, typer.Option(help="Tuples/s in total, in real time.")] = 10_000,
+    seconds: Annotated[float, typer.Option(help="Seconds of input per run.")] = 150,
+    command_after: Annotated[float, typer.Option(help="Seconds into the input when the scale begins.")] = 40,
+    mode: Annotated[
+        list[str] | None, typer.Option(help="fluxjoin's handoff modes, one run each (default: all three).")
+    ] = None,
+) -> None:
+    """From 2 workers to 3 while input flows: Apache Flink by stop-with-savepoint and restart at
+    parallelism 3, against fluxjoin starting a third instance and moving it its share of the pids live;
+    per engine the longest pause of any pid's results, p99 latency in the minute after, the time to the
+    new steady state, and the oracle's verdict (exit 1 if an output is not exact)."""
+    from bench.rescale import HANDOFF_MODES, run_rescale_bench
+
+    modes = [handoff_mode(m).value for m in mode] if mode else list(HANDOFF_MODES)
+    summary = run_rescale_bench(shared.cfg, rate, seconds, command_after, modes, say=shared.say)
+    print(json.dumps(summary) if shared.json else json.dumps(summary, indent=2))
+    raise typer.Exit(0 if summary["exact"] else 1)
+
+
+@_pipeline_bench("growth")
+def bench_growth(
+    shared: SharedOptions,
+    quick: Annotated[bool, typer.Option(help="Only the two ends of each curve.")] = False,
+) -> None:
+    """How a catch-up's cost grows with the window (1 s to 300 s), the keys (1K to 10M), the pids (16 to
+    1024) and the instances (1 to 4 at half a core each): tuples/s, work (tuples and results) per second,
+    microseconds per unit of work and peak window state per point, each output checked against the
+    oracle (exit 1 if one is not exact); the report's plot shows the curves."""
+    from bench.growth import run_growth_bench
+
+    summary = run_growth_bench(shared.cfg, quick, say=shared.say)
+    print(json.dumps(summary) if shared.json else json.dumps(summary, indent=2))
+    raise typer.Exit(0 if summary["exact"] else 1)
 
 
 KeySecondsOpt = Annotated[

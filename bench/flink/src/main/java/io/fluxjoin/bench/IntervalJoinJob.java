@@ -2,6 +2,8 @@ package io.fluxjoin.bench;
 
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
+import java.nio.file.Files;
+import java.nio.file.Path;
 import java.time.Duration;
 import java.util.HashMap;
 import java.util.Map;
@@ -19,6 +21,7 @@ import org.apache.flink.api.java.tuple.Tuple4;
 import org.apache.flink.configuration.CheckpointingOptions;
 import org.apache.flink.configuration.Configuration;
 import org.apache.flink.configuration.StateBackendOptions;
+import org.apache.flink.configuration.StateRecoveryOptions;
 import org.apache.flink.connector.base.DeliveryGuarantee;
 import org.apache.flink.connector.kafka.sink.KafkaRecordSerializationSchema;
 import org.apache.flink.connector.kafka.sink.KafkaSink;
@@ -28,6 +31,7 @@ import org.apache.flink.connector.kafka.source.enumerator.initializer.OffsetsIni
 import org.apache.flink.connector.kafka.source.reader.deserializer.KafkaRecordDeserializationSchema;
 import org.apache.flink.core.execution.CheckpointingMode;
 import org.apache.flink.core.execution.JobClient;
+import org.apache.flink.core.execution.SavepointFormatType;
 import org.apache.flink.streaming.api.datastream.DataStream;
 import org.apache.flink.streaming.api.datastream.KeyedStream;
 import org.apache.flink.streaming.api.environment.StreamExecutionEnvironment;
@@ -46,10 +50,13 @@ import org.apache.kafka.clients.consumer.ConsumerRecord;
  * <p>Arguments (all required): --bootstrap, --left and --right (input topics), --results (topic),
  * --window-ms, --lateness-ms, --bounded (true: read up to the end offsets at the start, then finish),
  * --parallelism, --checkpoint-ms, --checkpoint-dir, --batch (results per Kafka message), --txn-prefix.
+ * Optional: --rescale-to N with --rescale-signal (a file) and --savepoint-dir: once the signal file
+ * exists, stop with a savepoint and start again from it at parallelism N.
  *
  * <p>Prints `running-ms T` once the job runs, `first-record-ms T` when the first tuple is decoded and `done-ms T` when a bounded job has
  * finished (its last transaction committed): the span between them is the catch-up time, without the
- * JVM's and the MiniCluster's start-up.
+ * JVM's and the MiniCluster's start-up. A rescale prints `stop-ms T` (the savepoint asked for),
+ * `stopped-ms T` (the job ended on it) and `restarted-ms T` (the job runs again at N).
  */
 public final class IntervalJoinJob {
 
@@ -65,11 +72,42 @@ public final class IntervalJoinJob {
     private static final byte KIND_TUPLES = 1;
     private static final byte KIND_RESULTS = 2;
     private static final AtomicBoolean FIRST_RECORD = new AtomicBoolean();
+    /** Key groups: fixed, so that a savepoint taken at one parallelism restores at another. */
+    private static final int MAX_PARALLELISM = 128;
 
     private IntervalJoinJob() {}
 
     public static void main(String[] argv) throws Exception {
         Map<String, String> args = parse(argv);
+        int rescaleTo = Integer.parseInt(args.getOrDefault("rescale-to", "0"));
+        JobClient job = start(args, Integer.parseInt(args.get("parallelism")), null);
+        System.out.println("running-ms " + System.currentTimeMillis());
+        if (rescaleTo > 0) {
+            // What a Flink user does to rescale: stop with a savepoint, then start the same job from it
+            // with the new parallelism. Nothing is read or written from the stop to the restart.
+            Path signal = Path.of(args.get("rescale-signal"));
+            while (!Files.exists(signal)) {
+                Thread.sleep(20);
+            }
+            System.out.println("stop-ms " + System.currentTimeMillis());
+            String savepoint =
+                    job.stopWithSavepoint(
+                                    false,
+                                    "file://" + args.get("savepoint-dir"),
+                                    SavepointFormatType.CANONICAL)
+                            .get();
+            job.getJobExecutionResult().get();
+            System.out.println("stopped-ms " + System.currentTimeMillis());
+            job = start(args, rescaleTo, savepoint);
+            System.out.println("restarted-ms " + System.currentTimeMillis());
+        }
+        job.getJobExecutionResult().get();
+        System.out.println("done-ms " + System.currentTimeMillis());
+    }
+
+    /** The job at `parallelism`, from `savepoint` unless it is null, once it runs. */
+    private static JobClient start(Map<String, String> args, int parallelism, String savepoint)
+            throws Exception {
         long window = Long.parseLong(args.get("window-ms"));
         long lateness = Long.parseLong(args.get("lateness-ms"));
         boolean bounded = Boolean.parseBoolean(args.get("bounded"));
@@ -83,8 +121,12 @@ public final class IntervalJoinJob {
         conf.set(
                 CheckpointingOptions.CHECKPOINTING_INTERVAL,
                 Duration.ofMillis(Long.parseLong(args.get("checkpoint-ms"))));
+        if (savepoint != null) {
+            conf.set(StateRecoveryOptions.SAVEPOINT_PATH, savepoint);
+        }
         StreamExecutionEnvironment env = StreamExecutionEnvironment.getExecutionEnvironment(conf);
-        env.setParallelism(Integer.parseInt(args.get("parallelism")));
+        env.setParallelism(parallelism);
+        env.setMaxParallelism(MAX_PARALLELISM);
 
         WatermarkStrategy<Tuple3<Long, Long, Long>> watermarks =
                 WatermarkStrategy.<Tuple3<Long, Long, Long>>forBoundedOutOfOrderness(
@@ -92,31 +134,36 @@ public final class IntervalJoinJob {
                         .withTimestampAssigner((t, ignored) -> t.f2);
         KeyedStream<Tuple3<Long, Long, Long>, Long> left =
                 env.fromSource(source(args, args.get("left"), bounded), watermarks, "left")
+                        .uid("left")
                         .keyBy(new ByKey(), Types.LONG);
         KeyedStream<Tuple3<Long, Long, Long>, Long> right =
                 env.fromSource(source(args, args.get("right"), bounded), watermarks, "right")
+                        .uid("right")
                         .keyBy(new ByKey(), Types.LONG);
         DataStream<byte[]> batches =
                 left.intervalJoin(right)
                         .between(Duration.ofMillis(-window), Duration.ofMillis(window))
                         .process(new Pair())
+                        .uid("join")
                         .transform(
                                 "result batches",
                                 BYTES,
-                                new ResultBatcher(Integer.parseInt(args.get("batch"))));
+                                new ResultBatcher(Integer.parseInt(args.get("batch"))))
+                        .uid("result-batches");
         batches.sinkTo(
-                KafkaSink.<byte[]>builder()
-                        .setBootstrapServers(args.get("bootstrap"))
-                        .setRecordSerializer(
-                                KafkaRecordSerializationSchema.<byte[]>builder()
-                                        .setTopic(args.get("results"))
-                                        .setValueSerializationSchema(new Identity())
-                                        .build())
-                        .setDeliveryGuarantee(DeliveryGuarantee.EXACTLY_ONCE)
-                        .setTransactionalIdPrefix(args.get("txn-prefix"))
-                        // Below the broker's transaction.max.timeout.ms (15 minutes by default).
-                        .setProperty("transaction.timeout.ms", "600000")
-                        .build());
+                        KafkaSink.<byte[]>builder()
+                                .setBootstrapServers(args.get("bootstrap"))
+                                .setRecordSerializer(
+                                        KafkaRecordSerializationSchema.<byte[]>builder()
+                                                .setTopic(args.get("results"))
+                                                .setValueSerializationSchema(new Identity())
+                                                .build())
+                                .setDeliveryGuarantee(DeliveryGuarantee.EXACTLY_ONCE)
+                                .setTransactionalIdPrefix(args.get("txn-prefix"))
+                                // Below the broker's transaction.max.timeout.ms (15 minutes by default).
+                                .setProperty("transaction.timeout.ms", "600000")
+                                .build())
+                .uid("sink");
 
         JobClient job = env.executeAsync("fluxjoin-flink-baseline");
         JobStatus status = job.getJobStatus().get();
@@ -124,9 +171,7 @@ public final class IntervalJoinJob {
             Thread.sleep(50);
             status = job.getJobStatus().get();
         }
-        System.out.println("running-ms " + System.currentTimeMillis());
-        job.getJobExecutionResult().get();
-        System.out.println("done-ms " + System.currentTimeMillis());
+        return job;
     }
 
     private static KafkaSource<Tuple3<Long, Long, Long>> source(
