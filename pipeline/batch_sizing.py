@@ -108,6 +108,11 @@ def pids_within(
         if not size:
             continue
         recent = bound.yields.get(p, ())
+        if not recent and not taken and len(_new_pids_waiting(out, latest, bound, order, i)) > 1:
+            # Taken whole, the first few new pids' worst cases would use up the bound (a pid of 1,600
+            # tuples counts as 640,000 results); in slices, many make the same worst case with more
+            # tuples in all (decision 0072).
+            return _slices_of_new_pids(out, latest, bound, order, i)
         fits = min(messages, tuples_within(results, recent, bound.streams) / bound.per_message)
         if size <= fits:
             for s in streams:
@@ -140,11 +145,7 @@ def _slices_of_new_pids(
     Read one at a time, an instance's first batches were one pid each (docs/benchmarks.md).
     """
     streams = list(latest)
-    new = [
-        (i, p)
-        for i, p in enumerate(order[first:], start=first)
-        if not bound.yields.get(p) and any(latest[s][str(p)] > start[s][str(p)] for s in streams)
-    ]
+    new = _new_pids_waiting(start, latest, bound, order, first)
     m = bound.streams
     # k slices of m messages each: k * (m * per_message / m)^m results at worst, k * m messages
     k = int(min(len(new), bound.results / bound.per_message**m, bound.messages / m)) or 1
@@ -156,6 +157,18 @@ def _slices_of_new_pids(
         for s, n in _shares(backlog, max(1, min(sum(backlog.values()), int(per_pid)))).items():
             out[s][str(p)] += n
     return out, order[(new[-1][0] + 1) % len(order)]
+
+
+def _new_pids_waiting(
+    start: Offsets, latest: Offsets, bound: BatchBound, order: Sequence[int], first: int
+) -> list[tuple[int, int]]:
+    """(index in `order`, pid) of the pids from `order[first]` on that were never seen and have input
+    waiting."""
+    return [
+        (i, p)
+        for i, p in enumerate(order[first:], start=first)
+        if not bound.yields.get(p) and any(latest[s][str(p)] > start[s][str(p)] for s in latest)
+    ]
 
 
 def _shares(backlog: Mapping[str, int], total: int) -> dict[str, int]:

@@ -290,7 +290,7 @@ def make_join_function(
         newest = max((int(p.ts.max()) for p in new if len(p)), default=0)
         extra = [0] * (streams - 2)
         stats = _rows(KIND_STATS, pid, final.tuples, newest, len(blob), [accepted, produced, *extra], 1)
-        stats["payload"] = [encode_stats_payload(key_combinations(new), hot.hottest())]
+        stats["payload"] = [encode_stats_payload(key_combinations(new, window_ms), hot.hottest())]
         small.append(stats)
         yield _data_frame(small)
 

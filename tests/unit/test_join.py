@@ -18,6 +18,7 @@ from pipeline.join import (
     join_bounded,
     join_parts,
     join_step,
+    key_combinations,
     merge_size,
     window_from_bytes,
     window_to_bytes,
@@ -274,3 +275,24 @@ def test_the_merge_size_counts_a_merge_that_a_later_part_empties() -> None:
     other = as_part([(i, 2, 0) for i in range(200)])
     assert merge_size([ones, ones, other]) == 10_000
     assert list(join_bounded([ones, ones, other], 10, chunk=5_000)) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(m=st.integers(2, 3), data=st.data(), window=st.integers(0, 12))
+def test_key_combinations_bound_the_results_of_tuples_among_themselves(m: int, data, window: int) -> None:
+    streams = [[(i, k, t) for i, (k, t) in enumerate(data.draw(stream_tuples))] for _ in range(m)]
+    bound = key_combinations([as_part(s) for s in streams], window)
+    assert bound >= len(brute_force(streams, window))
+    plain = sum(1 for c in itertools.product(*streams) if len({t[1] for t in c}) == 1)
+    assert bound <= plain, "never above the count from the keys alone"
+
+
+def test_key_combinations_of_a_hot_key_within_w_are_exact_and_of_a_long_backlog_near_the_results() -> None:
+    hot = as_part([(i, 7, i) for i in range(100)])
+    assert key_combinations([hot, hot], window_ms=1_000) == 100 * 100
+    # 100 windows of W = 10: each tuple of A meets the 21 of B within 10 of it (fewer at the ends).
+    a = as_part([(i, 7, i) for i in range(1_000)])
+    results = len(brute_force([[(i, 7, i) for i in range(1_000)]] * 2, 10))
+    bound = key_combinations([a, a], window_ms=10)
+    assert results <= bound <= 3 * results, (results, bound)
+    assert bound < 1_000 * 1_000 / 20, "the keys alone would count every pair of the backlog"

@@ -188,6 +188,31 @@ def test_a_new_pids_slice_holds_a_message_of_every_stream_so_its_next_batch_is_j
     assert after == 3
 
 
+def test_many_small_new_pids_share_a_batch_in_slices_though_each_would_fit_whole() -> None:
+    """256 new pids of 16 messages each (100 tuples a message: a pid's worst case whole is (800)^2 =
+    640,000 results). Taken whole, two fit a bound of 1.5 million; in slices of one message a stream
+    (10,000 results at worst), as many as the bound holds each take a slice."""
+    pids = range(256)
+    latest = offsets(A={p: 8 for p in pids}, B={p: 8 for p in pids})
+    start = offsets(A={p: 0 for p in pids}, B={p: 0 for p in pids})
+    end, after = pids_within(start, latest, BatchBound(1e9, 1_500_000, 100.0, 2, {}), first_pid=0)
+    taken = [end["A"][str(p)] + end["B"][str(p)] for p in pids]
+    served = sum(1 for n in taken if n)
+    assert served == 150, f"{served} pids in the batch"
+    assert sum((100 * n / 2) ** 2 for n in taken) <= 1_500_000
+    assert after == 150
+
+
+def test_one_new_pid_that_fits_is_taken_whole_beside_the_others() -> None:
+    """A lone new pid (a move's) is read whole with the known pids around it: slices would hold the
+    known pids back a batch for nothing."""
+    yields: dict[int, list[Yield]] = {0: [(1_000, 0, 0)], 2: [(1_000, 0, 0)]}
+    latest = offsets(A={0: 10, 1: 10, 2: 10}, B={0: 10, 1: 10, 2: 10})
+    start = offsets(A={0: 0, 1: 0, 2: 0}, B={0: 0, 1: 0, 2: 0})
+    end, after = pids_within(start, latest, BatchBound(1e9, 1e6, 1.0, 2, yields), first_pid=1)
+    assert end == latest and after is None
+
+
 def test_new_pids_wait_behind_a_batch_of_whole_pids() -> None:
     yields: dict[int, list[Yield]] = {0: [(1_000, 0, 0)]}
     latest = offsets(A={0: 10, 1: 500, 2: 500}, B={0: 10, 1: 500, 2: 500})
