@@ -12,7 +12,8 @@ P = 64, one instance `local[2]`, event time at `RATE` tuples/s per stream):
 - **keys** from 1K to 10M at W = 10 s: results per tuple fall from about 20 to about 0.002.
 - **pids** P in 16, 64, 256, 1024.
 - **instances** 1 to 4, each on a contiguous range of the pids, `local[1]` under a CPU quota of half a
-  core (`instance.cpu_limit`), so that four share the 2 cores as one would have them alone.
+  core (`instance.cpu_limit`), so that four share the 2 cores as one would have them alone; 2,000,000
+  tuples a point.
 
 The figure to read is the cost per unit of work (microseconds per tuple or result, `us_per_work`): flat
 along a curve means the cost grows as the work does.
@@ -20,7 +21,7 @@ along a curve means the cost grows as the work does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ RATE = 2_000
 """Event-time tuples/s per stream: a modest real-time stream, so that a 300 s window is 1.2M tuples."""
 MIN_TUPLES = 400_000
 """Tuples pre-loaded per point at least (more where the input must span three large windows)."""
+SCALE_TUPLES = 2_000_000
+"""Tuples per point of the instances curve: under half a core, an instance's first batch (code
+generation, Python workers) takes seconds, which a short catch-up would mostly measure."""
 WINDOWS_S = (1, 10, 60, 300)
 KEYS = (1_000, 10_000, 100_000, 1_000_000, 10_000_000)
 PARTITIONS = (16, 64, 256, 1024)
@@ -50,11 +54,12 @@ class Point:
     partitions: int = 64
     instances: int = 1
     quota: bool = False
+    min_tuples: int = MIN_TUPLES
 
     @property
     def tuples(self) -> int:
-        """Enough for the input to span three windows, and at least `MIN_TUPLES`."""
-        return max(MIN_TUPLES, 2 * RATE * 3 * self.window_s)
+        """Enough for the input to span three windows, and at least `min_tuples`."""
+        return max(self.min_tuples, 2 * RATE * 3 * self.window_s)
 
     def config(self, base: Config, pipeline: str) -> Config:
         cfg = catchup_config(base, pipeline, self.tuples).with_overrides(
@@ -72,16 +77,26 @@ class Point:
         return cfg.with_overrides(**quota, **{"instance.shuffle_partitions": 1})
 
 
-def curves(quick: bool = False) -> dict[str, list[tuple[int, Point]]]:
-    """Each curve's (value, point) pairs; `quick` keeps the two ends of each (for a first look)."""
+CURVES = ("window_s", "keys", "partitions", "instances")
+
+
+def curves(quick: bool = False, only: Sequence[str] = ()) -> dict[str, list[tuple[int, Point]]]:
+    """Each curve's (value, point) pairs, of the curves in `only` (all without it); `quick` keeps the
+    two ends of each (for a first look)."""
+    unknown = set(only) - set(CURVES)
+    if unknown:
+        raise ValueError(f"unknown curves {sorted(unknown)}; choose from {', '.join(CURVES)}")
     base = Point()
     full = {
         "window_s": [(w, replace(base, window_s=w, keys=RATE * w)) for w in WINDOWS_S],
         "keys": [(k, replace(base, keys=k)) for k in KEYS],
         "partitions": [(p, replace(base, partitions=p)) for p in PARTITIONS],
-        "instances": [(n, replace(base, instances=n, quota=True)) for n in INSTANCES],
+        "instances": [
+            (n, replace(base, instances=n, quota=True, min_tuples=SCALE_TUPLES)) for n in INSTANCES
+        ],
     }
-    return {name: [pairs[0], pairs[-1]] if quick else pairs for name, pairs in full.items()}
+    chosen = {name: pairs for name, pairs in full.items() if not only or name in only}
+    return {name: [pairs[0], pairs[-1]] if quick else pairs for name, pairs in chosen.items()}
 
 
 def work_figures(measured: dict[str, Any]) -> dict[str, Any]:
@@ -104,12 +119,14 @@ def _points(c: dict[str, list[tuple[int, Point]]]) -> Iterator[Point]:
                 yield point
 
 
-def run_growth_bench(cfg: Config, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, Any]:
+def run_growth_bench(
+    cfg: Config, quick: bool = False, only: Sequence[str] = (), say: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Every point of `curves` once; the summary (also under reports/bench/, with a plot) holds each
     curve's points in order."""
     from generator.producer import run_generator
 
-    c = curves(quick)
+    c = curves(quick, only)
     measured: dict[Point, dict[str, Any]] = {}
     with bench_run(cfg, "growth", say) as run:
         todo = list(_points(c))

@@ -167,14 +167,21 @@ def bench_rescale(
 def bench_growth(
     shared: SharedOptions,
     quick: Annotated[bool, typer.Option(help="Only the two ends of each curve.")] = False,
+    curve: Annotated[
+        list[str] | None,
+        typer.Option(help="Run only this curve (window_s, keys, partitions, instances); repeatable."),
+    ] = None,
 ) -> None:
     """How a catch-up's cost grows with the window (1 s to 300 s), the keys (1K to 10M), the pids (16 to
     1024) and the instances (1 to 4 at half a core each): tuples/s, work (tuples and results) per second,
     microseconds per unit of work and peak window state per point, each output checked against the
     oracle (exit 1 if one is not exact); the report's plot shows the curves."""
-    from bench.growth import run_growth_bench
+    from bench.growth import CURVES, run_growth_bench
 
-    summary = run_growth_bench(shared.cfg, quick, say=shared.say)
+    unknown = sorted(set(curve or ()) - set(CURVES))
+    if unknown:
+        fail(f"unknown curve {', '.join(unknown)}; choose from {', '.join(CURVES)}")
+    summary = run_growth_bench(shared.cfg, quick, curve or (), say=shared.say)
     print(json.dumps(summary) if shared.json else json.dumps(summary, indent=2))
     raise typer.Exit(0 if summary["exact"] else 1)
 

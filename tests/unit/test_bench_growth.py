@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from bench.growth import MIN_TUPLES, QUOTA_CORES, RATE, Point, _points, curves, work_figures
+import pytest
+
+from bench.growth import MIN_TUPLES, QUOTA_CORES, RATE, SCALE_TUPLES, Point, _points, curves, work_figures
 from pipeline.config import Config
 
 
@@ -48,3 +50,10 @@ def test_a_point_sets_its_settings_and_quota() -> None:
 def test_work_is_tuples_and_results_per_second() -> None:
     got = work_figures({"tuples": 300, "results": 700, "seconds": 2.0})
     assert got["work_per_s"] == 500.0 and got["us_per_work"] == 2000.0
+
+
+def test_a_curve_can_be_run_alone_and_an_unknown_one_is_refused() -> None:
+    assert list(curves(only=["instances"])) == ["instances"]
+    assert all(p.tuples == SCALE_TUPLES for _, p in curves()["instances"]), "a long catch-up per point"
+    with pytest.raises(ValueError, match="unknown curves"):
+        curves(only=["nope"])
