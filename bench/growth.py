@@ -158,8 +158,8 @@ def plot_curves(run_id: str, summary: dict[str, Any], say: Callable[[str], None]
     import matplotlib.pyplot as plt
 
     curves_ = summary["curves"]
-    fig, axes = plt.subplots(1, len(curves_), figsize=(4 * len(curves_), 3.5))
-    for ax, (name, points) in zip(axes, curves_.items(), strict=True):
+    fig, axes = plt.subplots(1, len(curves_), figsize=(4 * len(curves_), 3.5), squeeze=False)
+    for ax, (name, points) in zip(axes[0], curves_.items(), strict=True):
         values = [p["value"] for p in points]
         ax.plot(values, [p["tuples_per_s"] for p in points], "o-", label="tuples/s")
         ax.set_xscale("log" if name != "instances" else "linear")
