@@ -186,6 +186,9 @@ BROKER_AWAY = (LEADER_NOT_READY - {KafkaError.UNKNOWN_TOPIC_OR_PART}) | {
     KafkaError.NETWORK_EXCEPTION,
     KafkaError.NOT_CONTROLLER,
     KafkaError._UNKNOWN_PARTITION,  # the client's own metadata, emptied while the broker was away
+    # The client dropped its handle of a broker that left the metadata while it was stopped; a request
+    # on it fails so (the controller exited on it in tests/integration/test_faults.py's broker stop).
+    KafkaError._DESTROY_BROKER,
 }
 """Answers that mean the broker is away, restarting or not serving a partition yet, not that the request
 is wrong (decision 0052). A topic the broker does not know is not among them: it may be gone for good."""
