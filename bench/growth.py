@@ -23,10 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
-from bench.run import bench_run, save_report
+from bench.run import bench_run, pyplot, save_plot, save_report
 from bench.throughput import catchup_config, measure_fluxjoin
 from pipeline.config import Config
 
@@ -147,16 +146,11 @@ def run_growth_bench(
 
 
 def plot_curves(run_id: str, summary: dict[str, Any], say: Callable[[str], None]) -> None:
-    """Tuples/s and microseconds per unit of work along each curve, as reports/bench/<run id>/growth.png,
-    where matplotlib is installed (the `plots` extra)."""
-    try:
-        import matplotlib
-    except ImportError:
-        say("no plot: matplotlib is not installed (pip install 'fluxjoin[plots]')")
+    """Tuples/s and microseconds per unit of work along each curve, as reports/bench/<run id>/growth.png
+    (`bench.run.pyplot`)."""
+    plt = pyplot(say)
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     curves_ = summary["curves"]
     fig, axes = plt.subplots(1, len(curves_), figsize=(4 * len(curves_), 3.5), squeeze=False)
     for ax, (name, points) in zip(axes[0], curves_.items(), strict=True):
@@ -169,7 +163,4 @@ def plot_curves(run_id: str, summary: dict[str, Any], say: Callable[[str], None]
         cost.plot(values, [p["us_per_work"] for p in points], "s--", color="tab:red", label="µs per unit")
         cost.set_ylabel("µs per tuple or result")
     fig.tight_layout()
-    out = Path("reports") / "bench" / run_id / "growth.png"
-    fig.savefig(out, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    say(f"plot: {out}")
+    save_plot(plt, fig, run_id, "growth", say)

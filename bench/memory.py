@@ -29,7 +29,9 @@ from bench.run import (
     drain,
     follow_input,
     moved_pids,
+    pyplot,
     ratio_to,
+    save_plot,
     save_report,
     start_warm,
 )
@@ -328,16 +330,10 @@ def run_memory_bench(
 
 
 def plot_results(run_id: str, summary: dict[str, Any], say: Callable[[str], None]) -> None:
-    """Results per 5 s per variant, as reports/bench/<run id>/memory.png, where matplotlib is installed
-    (the `plots` extra)."""
-    try:
-        import matplotlib
-    except ImportError:
-        say("no plot: matplotlib is not installed (pip install 'fluxjoin[plots]')")
+    """Results per 5 s per variant, as reports/bench/<run id>/memory.png (`bench.run.pyplot`)."""
+    plt = pyplot(say)
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(8, 4))
     for variant, point in summary.items():
         if isinstance(point, dict) and "results_per_5s" in point:
@@ -346,7 +342,4 @@ def plot_results(run_id: str, summary: dict[str, Any], say: Callable[[str], None
     ax.set_xlabel("seconds since the input started")
     ax.set_ylabel("results per 5 s")
     ax.legend()
-    out = Path("reports") / "bench" / run_id / "memory.png"
-    fig.savefig(out, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    say(f"plot: {out}")
+    save_plot(plt, fig, run_id, "memory", say)

@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.peers import FlinkJob, FlinkProcess, ResultWatch, flink_classpath, loaded, watched_latency
-from bench.run import bench_run, save_report, start_warm, wait_warm
+from bench.run import bench_run, follow_input, save_report, start_warm, wait_warm
 from bench.throughput import latency_config
 from local.processes import LocalPipeline, MetricsFollower
 from pipeline.config import Config
@@ -187,9 +187,7 @@ def run_fluxjoin(
                 raise TimeoutError(f"the {len(moves)} moves to instance-2 did not finish within 600 s")
             rescaled = time.time()
             say(f"fluxjoin ({mode}): {len(moves)} pids moved in {rescaled - disruption:.1f} s")
-            while pipeline.procs["generator"].poll() is None:
-                pipeline.check_alive()
-                time.sleep(0.5)
+            follow_input(pipeline, follower, records)
             watch.wait_quiet()
         finally:
             follower.close()

@@ -165,3 +165,25 @@ def rounded_median(values: Sequence[float]) -> float | None:
 def ratio_to(value: float | None, base: float | None) -> float | None:
     """`value` as a multiple of `base` to two decimals, or None when either is unknown (or `base` is 0)."""
     return round(value / base, 2) if value is not None and base else None
+
+
+def pyplot(say: Callable[[str], None]) -> Any | None:
+    """matplotlib's pyplot on the file-only Agg backend, or None (said once) where matplotlib is not
+    installed (the `plots` extra): a report's plot is optional, its numbers are not."""
+    try:
+        import matplotlib
+    except ImportError:
+        say("no plot: matplotlib is not installed (pip install 'fluxjoin[plots]')")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_plot(plt: Any, fig: Any, run_id: str, name: str, say: Callable[[str], None]) -> None:
+    """Write `fig` as reports/bench/<run id>/<name>.png, beside the run's report, and close it."""
+    out = Path("reports") / "bench" / run_id / f"{name}.png"
+    fig.savefig(out, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    say(f"plot: {out}")

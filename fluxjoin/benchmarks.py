@@ -42,6 +42,15 @@ class SharedOptions:
     json: bool
     say: Callable[[str], None]
 
+    def show(self, summary: Any, compact: Any = None) -> None:
+        """Print a benchmark's summary: with `--json` on one line, `compact` (its series left out) if
+        given; otherwise indented, whole."""
+        print(
+            json.dumps(summary if compact is None else compact)
+            if self.json
+            else json.dumps(summary, indent=2)
+        )
+
 
 _SHARED_OPTIONS = [
     inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
@@ -137,7 +146,7 @@ def bench_peers(
 
     summary = run_peers_bench(shared.cfg, tuples, repeats, latency_rate, latency_seconds, say=shared.say)
     compact = {k: v for k, v in summary.items() if k != "runs"}
-    print(json.dumps(compact) if shared.json else json.dumps(compact, indent=2))
+    shared.show(compact)
     raise typer.Exit(0 if summary["exact"] and summary["flink_exact"] else 1)
 
 
@@ -159,7 +168,7 @@ def bench_rescale(
 
     modes = [handoff_mode(m).value for m in mode] if mode else list(HANDOFF_MODES)
     summary = run_rescale_bench(shared.cfg, rate, seconds, command_after, modes, say=shared.say)
-    print(json.dumps(summary) if shared.json else json.dumps(summary, indent=2))
+    shared.show(summary)
     raise typer.Exit(0 if summary["exact"] else 1)
 
 
@@ -182,7 +191,7 @@ def bench_growth(
     if unknown:
         fail(f"unknown curve {', '.join(unknown)}; choose from {', '.join(CURVES)}")
     summary = run_growth_bench(shared.cfg, quick, curve or (), say=shared.say)
-    print(json.dumps(summary) if shared.json else json.dumps(summary, indent=2))
+    shared.show(summary)
     raise typer.Exit(0 if summary["exact"] else 1)
 
 
@@ -218,7 +227,7 @@ def bench_skew(
         shared.cfg, wanted, seconds, instances, cpu, key_seconds, hot_set_s, even_s, shared.say
     )
     compact = {p: {k: v for k, v in s.items() if k != "points"} for p, s in summary.items()}
-    print(json.dumps(compact) if shared.json else json.dumps(summary, indent=2))
+    shared.show(summary, compact)
     raise typer.Exit(0 if all(s["exact"] for s in summary.values()) else 1)
 
 
@@ -233,7 +242,7 @@ def bench_move_cost(
 
     wanted = _numbers(windows, "--windows", int)
     summary = run_move_cost_bench(shared.cfg, wanted, rate, say=shared.say)
-    print(json.dumps(summary) if shared.json else json.dumps(summary, indent=2))
+    shared.show(summary)
 
 
 @_pipeline_bench("convergence")
@@ -252,7 +261,7 @@ def bench_convergence(
     wanted = _numbers(delta_min, "--delta-min", float)
     summary = run_convergence_bench(shared.cfg, wanted, rate, shift, instances, cpu, key_seconds, shared.say)
     compact = {d: {k: v for k, v in p.items() if k not in CONVERGENCE_SERIES} for d, p in summary.items()}
-    print(json.dumps(compact) if shared.json else json.dumps(summary, indent=2))
+    shared.show(summary, compact)
 
 
 @_pipeline_bench("loaded")
@@ -276,7 +285,7 @@ def bench_loaded(
         key: {k2: v for k2, v in value.items() if k2 != "series"} if isinstance(value, dict) else value
         for key, value in summary.items()
     }
-    print(json.dumps(compact) if shared.json else json.dumps(summary, indent=2))
+    shared.show(summary, compact)
     raise typer.Exit(0 if summary["static"]["exact"] and summary["flux"]["exact"] else 1)
 
 
@@ -331,7 +340,7 @@ def bench_memory(
         k: {k2: v2 for k2, v2 in v.items() if k2 != "results_per_5s"} if isinstance(v, dict) else v
         for k, v in summary.items()
     }
-    print(json.dumps(compact) if shared.json else json.dumps(summary, indent=2))
+    shared.show(summary, compact)
     raise typer.Exit(0 if all(summary[v]["exact"] for v in chosen) else 1)
 
 

@@ -38,6 +38,16 @@ def test_command_runs_the_job_class_with_every_setting_as_a_flag() -> None:
     assert _job(bounded=False).command("java", [])[-len(flags) :][flags.index("--bounded") + 1] == "false"
 
 
+def test_a_rescaling_job_gets_its_signal_and_savepoint_flags() -> None:
+    plain = _job(bounded=False).command("java", [])
+    assert "--rescale-to" not in plain, "a job that does not rescale has no rescale flags"
+    cmd = _job(bounded=False).rescaled(3, Path("work/rescale"), Path("work")).command("java", [])
+    flags = cmd[cmd.index(MAIN_CLASS) + 1 :]
+    given = dict(zip(flags[::2], flags[1::2], strict=True))
+    assert given["--parallelism"] == "2" and given["--rescale-to"] == "3"
+    assert Path(given["--rescale-signal"]).is_absolute() and Path(given["--savepoint-dir"]).is_absolute()
+
+
 def test_markers_are_read_among_other_output() -> None:
     lines = [
         "SLF4J: Defaulting to no-operation (NOP) logger implementation",

@@ -1,13 +1,9 @@
-"""The rescale benchmark's pure parts: per-pid pauses, latency in a span, the steady state, and the
-Flink job's rescale flags."""
+"""The rescale benchmark's pure parts: per-pid pauses, latency in a span and the steady state."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
-from bench.peers import MAIN_CLASS, FlinkJob
 from bench.rescale import STEADY_S, Timeline, longest_gaps, p99_in, rescale_figures, steady_at, steady_bound
 
 
@@ -67,23 +63,3 @@ def test_steady_state_needs_every_second_within_bound_after_the_rescale() -> Non
         "a second with no read is no calm"
     )
     assert steady_at(_timeline(calm_before + spike, command=30, rescaled=42), bound) is None
-
-
-def test_a_rescaling_job_gets_its_signal_and_savepoint_flags() -> None:
-    job = FlinkJob(
-        "localhost:9092",
-        ("run.in.A", "run.in.B"),
-        "run.results",
-        window_ms=10_000,
-        lateness_ms=2_000,
-        bounded=False,
-        checkpoint_dir=Path("work/ckpt"),
-        txn_prefix="run-flink",
-    )
-    plain = job.command("java", [])
-    assert "--rescale-to" not in plain, "a job that does not rescale has no rescale flags"
-    cmd = job.rescaled(3, Path("work/rescale"), Path("work")).command("java", [])
-    flags = cmd[cmd.index(MAIN_CLASS) + 1 :]
-    given = dict(zip(flags[::2], flags[1::2], strict=True))
-    assert given["--parallelism"] == "2" and given["--rescale-to"] == "3"
-    assert Path(given["--rescale-signal"]).is_absolute() and Path(given["--savepoint-dir"]).is_absolute()
